@@ -1,0 +1,161 @@
+"""BabyCNN: a small image classifier built as an ordered stack of blocks.
+
+The model is a plain ``nn.Module``. Its body is ``self.blocks``, an ``nn.Sequential`` of four
+blocks of roughly equal compute, so the same model can be
+
+* replicated whole (DDP),
+* sharded block by block (FSDP2 calls ``fully_shard`` on each block, then on the root),
+* cut into 1, 2 or 4 pipeline stages (``stage_blocks`` hands out contiguous groups of blocks).
+
+Initialisation is deterministic *per output row*: every row of every parameter draws from its own
+generator, seeded from ``torch.initial_seed()``, the parameter's name and the row's global index.
+So a rank that holds only some rows (an FSDP shard) or only some blocks (a pipeline stage) can
+initialise exactly its part on the ``meta``-built model, and still get the very values the whole
+model would get on one process with the same seed. (DTensor's own random ops cannot do this on the
+CPU: they reproduce a full tensor only on CUDA-like devices.)
+"""
+
+import hashlib
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+
+class ConvBlock(nn.Module):
+    """Two 3x3 convolutions with ReLU, optionally followed by a 2x2 max-pool."""
+
+    def __init__(self, in_channels, out_channels, pool, device=None):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, padding=1, device=device)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, device=device)
+        self.pool = nn.MaxPool2d(2) if pool else nn.Identity()
+
+    def forward(self, x):
+        x = torch.relu(self.conv1(x))
+        x = torch.relu(self.conv2(x))
+        return self.pool(x)
+
+
+class Head(nn.Module):
+    """A last 3x3 convolution, then a linear classifier over the flattened feature map."""
+
+    def __init__(self, channels, feature_size, num_classes, device=None):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, device=device)
+        self.fc = nn.Linear(channels * feature_size * feature_size, num_classes, device=device)
+
+    def forward(self, x):
+        x = torch.relu(self.conv(x))
+        return self.fc(x.flatten(1))
+
+
+class BabyCNN(nn.Module):
+    """conv block -> conv block -> conv block -> head, with ``8 * width`` base channels.
+
+    For a 28x28 input and width 1 that is about 43k parameters and 2.3 M multiply-accumulates per
+    sample forward, split 0.51 / 0.68 / 0.68 / 0.47 M across the four blocks. Width multiplies the
+    channels, so parameters and compute grow with its square.
+    """
+
+    def __init__(self, in_channels=1, num_classes=10, image_size=28, width=1, device=None):
+        super().__init__()
+        if width < 1 or image_size < 4:
+            raise ValueError(f"BabyCNN needs width >= 1 and image_size >= 4, got {width} and {image_size}")
+        c = 8 * width
+        feature_size = image_size // 4  # two 2x2 pools
+        self.config = dict(in_channels=in_channels, num_classes=num_classes, image_size=image_size, width=width)
+        self.blocks = nn.Sequential(
+            ConvBlock(in_channels, c, pool=True, device=device),
+            ConvBlock(c, 2 * c, pool=True, device=device),
+            ConvBlock(2 * c, 4 * c, pool=False, device=device),
+            Head(4 * c, feature_size, num_classes, device=device),
+        )
+        if torch.device(device or "cpu").type != "meta":  # on meta, the caller initialises after to_empty
+            self.reset_parameters()
+
+    def forward(self, x):
+        return self.blocks(x)
+
+    def block_costs(self):
+        """Forward multiply-accumulates per sample of each block, for balancing pipeline stages."""
+        size = self.config["image_size"]
+        costs = []
+        for block in self.blocks:
+            macs = 0
+            for layer in block.modules():
+                if isinstance(layer, nn.Conv2d):
+                    macs += layer.weight.numel() * size * size
+                elif isinstance(layer, nn.Linear):
+                    macs += layer.weight.numel()
+                elif isinstance(layer, nn.MaxPool2d):
+                    size //= 2
+            costs.append(macs)
+        return costs
+
+    def stage_blocks(self, num_stages):
+        """Split the blocks into ``num_stages`` contiguous groups that balance compute.
+
+        Returns a list of lists of block indices. The split minimises the most expensive stage
+        (the pipeline runs at the pace of its slowest stage).
+        """
+        costs = self.block_costs()
+        if not 1 <= num_stages <= len(costs):
+            raise ValueError(f"BabyCNN has {len(costs)} blocks, so it splits into 1 to {len(costs)} stages, not {num_stages}")
+        best = None
+
+        def search(start, stages_left, groups):
+            nonlocal best
+            if stages_left == 1:
+                groups = groups + [list(range(start, len(costs)))]
+                worst = max(sum(costs[i] for i in g) for g in groups)
+                if best is None or worst < best[0]:
+                    best = (worst, groups)
+                return
+            for end in range(start + 1, len(costs) - stages_left + 2):
+                search(end, stages_left - 1, groups + [list(range(start, end))])
+
+        search(0, num_stages, [])
+        return best[1]
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """Initialise every parameter (or only the local shard of a DTensor parameter)."""
+        for index, block in enumerate(self.blocks):
+            init_block(block, index)
+
+
+def _local_rows(param):
+    """The tensor this rank holds for ``param`` and the global index of its first row."""
+    if not isinstance(param, DTensor):
+        return param, 0
+    offset = 0
+    for mesh_dim, placement in enumerate(param.placements):
+        if isinstance(placement, Shard):
+            if placement.dim != 0:
+                raise ValueError("BabyCNN's initialiser handles parameters sharded on dim 0 only")
+            # FSDP2 shards like torch.chunk: every rank but the last ones holds ceil(n / k) rows.
+            rows_per_rank = math.ceil(param.shape[0] / param.device_mesh.size(mesh_dim))
+            offset += rows_per_rank * param.device_mesh.get_local_rank(mesh_dim)
+    return param.to_local(), offset
+
+
+@torch.no_grad()
+def init_block(block, block_index):
+    """He-uniform for convolutions (they feed a ReLU), LeCun-uniform for the classifier, zero biases."""
+    base_seed = torch.initial_seed()
+    for name, param in block.named_parameters():
+        local, first_row = _local_rows(param)
+        if name.endswith("bias"):
+            local.zero_()
+            continue
+        fan_in = math.prod(param.shape[1:])
+        gain = 1.0 if name.startswith("fc") else 2.0
+        bound = math.sqrt(3.0 * gain / fan_in)
+        values = torch.empty(local.shape, dtype=torch.float32)
+        for row in range(local.shape[0]):
+            key = f"{base_seed}/blocks.{block_index}.{name}/{first_row + row}".encode()
+            row_seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+            values[row].uniform_(-bound, bound, generator=torch.Generator().manual_seed(row_seed))
+        local.copy_(values)

@@ -1,0 +1,259 @@
+"""Image data for the three training scripts, kept as tensors on the training device.
+
+A split is held whole as a ``uint8`` tensor (N, C, H, W) on the device, with its labels. A batch is
+gathered by index (``split.batch(indices)``) and normalised there: no Dataset, no DataLoader
+workers, no per-sample Python or PIL on the hot path. Which indices a rank uses is decided by the
+training script with ``torch.utils.data.DistributedSampler``, so the sharding stays visible there.
+
+Datasets: ``mnist``, ``fashion-mnist`` and ``cifar10`` through torchvision (downloaded into
+``--data-dir`` by rank 0 while the other ranks wait), and ``synthetic``: an offline, deterministic,
+learnable 10-class set of digit glyphs drawn from a small built-in bitmap font. ``auto`` takes MNIST
+when it is on disk or can be downloaded, else the synthetic set.
+"""
+
+import math
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+DATASETS = ("auto", "synthetic", "mnist", "fashion-mnist", "cifar10")
+DOWNLOAD_TIMEOUT_SECONDS = 5
+
+
+class DataError(Exception):
+    """A dataset problem the user can fix; the message is one line that says how."""
+
+
+@dataclass
+class Split:
+    images: torch.Tensor  # uint8 (N, C, H, W) on the training device
+    labels: torch.Tensor  # int64 (N,) on the training device
+    scale: torch.Tensor  # (1, C, 1, 1): 1 / (255 * std)
+    shift: torch.Tensor  # (1, C, 1, 1): -mean / std
+
+    def __len__(self):
+        return self.labels.shape[0]
+
+    def batch(self, indices):
+        """Normalised float images and labels for ``indices`` (a tensor on the same device)."""
+        return self.images[indices].float() * self.scale + self.shift, self.labels[indices]
+
+
+@dataclass
+class ImageData:
+    name: str
+    train: Split
+    test: Split
+    num_classes: int
+
+    @property
+    def in_channels(self):
+        return self.train.images.shape[1]
+
+    @property
+    def image_size(self):
+        return self.train.images.shape[2]
+
+
+def load(name, data_dir, device, download=True, log=print):
+    """Load ``name`` onto ``device`` on every rank. ``log`` is called on rank 0 only.
+
+    Rank 0 does every download and decides what ``auto`` means; the other ranks wait for its
+    answer (a broadcast), so they never race on the files and all of them fail or fall back together.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    answer = [None]
+    if rank == 0:
+        answer[0] = _resolve(name, data_dir, download, log)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(answer, src=0)
+    resolved, error = answer[0]
+    if error:
+        raise DataError(error)
+    if resolved == "synthetic":
+        (train_x, train_y), (test_x, test_y) = synthetic_digits(60_000, seed=0), synthetic_digits(10_000, seed=1)
+    else:
+        (train_x, train_y), (test_x, test_y) = (_read_torchvision(resolved, data_dir, train) for train in (True, False))
+    # Normalise with the training split's own statistics, computed once on the device.
+    train_x, test_x = train_x.to(device), test_x.to(device)
+    pixels = train_x.float().div_(255).transpose(0, 1).flatten(1)
+    mean, std = pixels.mean(dim=1), pixels.std(dim=1)
+    scale = (1 / (255 * std)).view(1, -1, 1, 1)
+    shift = (-mean / std).view(1, -1, 1, 1)
+    num_classes = int(train_y.max()) + 1
+    return ImageData(
+        resolved,
+        Split(train_x, train_y.to(device), scale, shift),
+        Split(test_x, test_y.to(device), scale, shift),
+        num_classes,
+    )
+
+
+_TORCHVISION = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "cifar10": "CIFAR10"}
+_FILES = {
+    "MNIST": "MNIST/raw/ (train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte)",
+    "FashionMNIST": "FashionMNIST/raw/ (train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte)",
+    "CIFAR10": "cifar-10-batches-py/ (data_batch_1..5, test_batch, batches.meta)",
+}
+
+
+def _resolve(name, data_dir, download, log):
+    """On rank 0: make sure the files are there. Returns (dataset name, None) or (None, error line)."""
+    if name == "synthetic":
+        return "synthetic", None
+    wanted = "mnist" if name == "auto" else name
+    problem = _ensure_files(wanted, data_dir, download)
+    if problem is None:
+        return wanted, None
+    if name == "auto":
+        log(f"dataset: MNIST is not in {data_dir} and {problem}; using the built-in synthetic digits instead")
+        return "synthetic", None
+    where = os.path.join(data_dir, _FILES[_TORCHVISION[wanted]])
+    return None, f"{wanted} is not in {data_dir} and {problem}: put the files in {where}, or pick --dataset synthetic"
+
+
+def _ensure_files(name, data_dir, download):
+    """None when the files are on disk (downloading them if allowed), else why they are not."""
+    import torchvision  # imported here: it costs seconds, and the synthetic set does not need it
+
+    dataset_class = getattr(torchvision.datasets, _TORCHVISION[name])
+    try:
+        dataset_class(data_dir, train=True, download=False)
+        return None
+    except RuntimeError:
+        pass
+    if not download:
+        return "--no-download forbids fetching it"
+    previous_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_SECONDS)  # an unreachable mirror fails in seconds, not minutes
+    try:
+        dataset_class(data_dir, train=True, download=True)
+        return None
+    except Exception as error:  # torchvision raises RuntimeError or URLError, depending on the dataset
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return f"the download failed ({reason[:120]})"
+    finally:
+        socket.setdefaulttimeout(previous_timeout)
+
+
+def _read_torchvision(name, data_dir, train):
+    import torchvision
+
+    dataset = getattr(torchvision.datasets, _TORCHVISION[name])(data_dir, train=train, download=False)
+    images = torch.as_tensor(dataset.data)
+    # MNIST-style sets hold (N, H, W); CIFAR holds (N, H, W, C) as a numpy array.
+    images = images.unsqueeze(1) if images.dim() == 3 else images.permute(0, 3, 1, 2)
+    return images.contiguous(), torch.as_tensor(dataset.targets, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# The synthetic set: digit glyphs from a 5x7 bitmap font, each drawn with a random affine
+# transform (rotation, scale, shear, shift), stroke width and noise. Deterministic for a seed.
+# ---------------------------------------------------------------------------------------------
+
+_FONT = {
+    0: (" ### ", "#   #", "#  ##", "# # #", "##  #", "#   #", " ### "),
+    1: ("  #  ", " ##  ", "# #  ", "  #  ", "  #  ", "  #  ", "#####"),
+    2: (" ### ", "#   #", "    #", "   # ", "  #  ", " #   ", "#####"),
+    3: ("#####", "   # ", "  #  ", "   # ", "    #", "#   #", " ### "),
+    4: ("   # ", "  ## ", " # # ", "#  # ", "#####", "   # ", "   # "),
+    5: ("#####", "#    ", "#### ", "    #", "    #", "#   #", " ### "),
+    6: ("  ## ", " #   ", "#    ", "#### ", "#   #", "#   #", " ### "),
+    7: ("#####", "    #", "   # ", "  #  ", " #   ", " #   ", " #   "),
+    8: (" ### ", "#   #", "#   #", " ### ", "#   #", "#   #", " ### "),
+    9: (" ### ", "#   #", "#   #", " ####", "    #", "   # ", " ##  "),
+}
+
+
+def _glyph_templates(upscale=4):
+    """(10, 1, 7*upscale, 5*upscale) soft glyphs: the bitmap enlarged, then blurred by shifted sums
+    (not a convolution, so the result is bit-identical whatever the thread count)."""
+    bitmaps = torch.tensor([[[c == "#" for c in row] for row in _FONT[d]] for d in range(10)], dtype=torch.float64)
+    big = bitmaps.repeat_interleave(upscale, 1).repeat_interleave(upscale, 2)
+    padded = F.pad(big, (3, 3, 3, 3))
+    h, w = big.shape[1:]
+    weights = torch.tensor([1.0, 4.0, 6.0, 4.0, 1.0], dtype=torch.float64) / 16  # binomial blur
+    blurred = sum(weights[i] * padded[:, i : i + h + 2, :] for i in range(5))
+    blurred = sum(weights[i] * blurred[:, :, i : i + w + 2] for i in range(5))
+    return blurred.unsqueeze(1).float()
+
+
+def synthetic_digits(count, seed, image_size=28):
+    """``count`` images (uint8, (count, 1, image_size, image_size)) and labels of the synthetic set."""
+    generator = torch.Generator().manual_seed(seed)
+    templates = _glyph_templates()
+    _, _, th, tw = templates.shape
+    labels = torch.randint(0, 10, (count,), generator=generator)
+
+    def uniform(low, high):
+        return torch.rand(count, generator=generator, dtype=torch.float64) * (high - low) + low
+
+    angle = uniform(-0.30, 0.30)  # radians, about +-17 degrees
+    scale = uniform(0.80, 1.15)
+    shear = uniform(-0.25, 0.25)
+    shift_x, shift_y = uniform(-0.18, 0.18), uniform(-0.15, 0.15)
+    threshold = uniform(0.15, 0.55)  # lower threshold = thicker stroke
+    noise_level = uniform(0.02, 0.20)
+
+    # The glyph fills about 20x14 pixels of a 28x28 frame, as MNIST digits fill a 20x20 box.
+    glyph_h, glyph_w = 20 / image_size, 20 / image_size * tw / th
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    # Output -> template coordinates: undo shift, rotate back, unscale, unshear, fit to the glyph box.
+    theta = torch.zeros(count, 2, 3, dtype=torch.float64)
+    theta[:, 0, 0] = (cos + shear * sin) / (scale * glyph_w)
+    theta[:, 0, 1] = (sin - shear * cos) / (scale * glyph_w)
+    theta[:, 1, 0] = -sin / (scale * glyph_h)
+    theta[:, 1, 1] = cos / (scale * glyph_h)
+    theta[:, 0, 2] = -(theta[:, 0, 0] * shift_x + theta[:, 0, 1] * shift_y)
+    theta[:, 1, 2] = -(theta[:, 1, 0] * shift_x + theta[:, 1, 1] * shift_y)
+
+    # Pixel centres in [-1, 1] (as affine_grid with align_corners=False makes them, but as one matmul).
+    centres = (torch.arange(image_size, dtype=torch.float32) * 2 + 1) / image_size - 1
+    ys, xs = torch.meshgrid(centres, centres, indexing="ij")
+    pixels = torch.stack([xs.flatten(), ys.flatten(), torch.ones(image_size * image_size)], dim=1)
+
+    images = torch.empty(count, 1, image_size, image_size, dtype=torch.uint8)
+    chunk = 8192
+    for start in range(0, count, chunk):
+        part = slice(start, min(start + chunk, count))
+        n = part.stop - part.start
+        grid = (pixels @ theta[part].float().transpose(1, 2)).view(n, image_size, image_size, 2)
+        ink = F.grid_sample(templates[labels[part]], grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+        t = threshold[part].float().view(-1, 1, 1, 1)
+        ink = ((ink - t) / (1 - t)).clamp(0, 1)
+        ink = ink * (2 - ink)  # brighten the stroke's soft edge
+        noise = torch.randn(n, 1, image_size, image_size, generator=generator) * noise_level[part].float().view(-1, 1, 1, 1)
+        images[part] = ((ink + noise).clamp(0, 1) * 255).round().to(torch.uint8)
+    return images, labels
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation over the whole test split, sharded across ranks.
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(forward, split, rank, world_size, batch_size=512):
+    """Test loss and accuracy of ``forward`` (images -> logits) over all of ``split``.
+
+    Each rank takes a contiguous slice of the test set (no sample twice, none left out) and the
+    sums are all-reduced. Every rank runs the same number of batches, even when its slice is one
+    sample shorter, because a sharded model (FSDP) needs every rank in each forward's all-gather.
+    """
+    shard = torch.arange(len(split), device=split.labels.device).tensor_split(world_size)[rank]
+    num_batches = math.ceil(math.ceil(len(split) / world_size) / batch_size)
+    totals = torch.zeros(3, dtype=torch.float64, device=split.labels.device)  # loss sum, correct, count
+    for i in range(num_batches):
+        images, labels = split.batch(shard[i * batch_size : (i + 1) * batch_size])
+        logits = forward(images).float()
+        totals[0] += F.cross_entropy(logits, labels, reduction="sum")
+        totals[1] += (logits.argmax(dim=1) == labels).sum()
+        totals[2] += labels.numel()
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum / count, correct / count

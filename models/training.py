@@ -1,0 +1,256 @@
+"""What every training script needs but none of them teaches: flags, optimizer, logging, files.
+
+The distributed lines each script teaches (process group, sampler, wrapping, collectives, who
+saves) stay inline in the script; only strategy-neutral plumbing lives here.
+"""
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+
+import torch
+from torch.distributed.tensor import DTensor
+from tqdm import tqdm
+
+from models import data
+
+
+class UsageError(Exception):
+    """Bad flags or a layout that cannot work: printed as one line by rank 0, exit code 2."""
+
+
+def launched_rank():
+    """This process's global rank as torchrun tells it (0 when run without torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def fail_cleanly(main):
+    """Run ``main()``; turn a UsageError or DataError into one line on rank 0 and exit code 2.
+
+    Every rank reaches the same verdict from the same flags (or from rank 0's broadcast), so the
+    others just exit quietly instead of printing the same message N times.
+    """
+    try:
+        main()
+    except (UsageError, data.DataError) as error:
+        if launched_rank() == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage + error on every rank; we print one line once
+        if launched_rank() == 0:
+            print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _positive_int(text):
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be zero or more, got {value}")
+    return value
+
+
+def _positive_float(text):
+    value = float(text)
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def parser(description):
+    """The flags all three scripts share; each script adds its own strategy's flags."""
+    p = _Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = p.add_argument
+    add("--dataset", choices=data.DATASETS, default="auto", help="auto: MNIST if on disk or downloadable, else synthetic")
+    add("--data-dir", default="./data", help="where torchvision datasets are read from and downloaded to")
+    add("--no-download", action="store_true", help="never use the network; use only files already in --data-dir")
+    add("--epochs", type=_positive_int, default=2)
+    add("--max-steps", type=_non_negative_int, default=0, help="stop after this many optimizer steps (0: no limit)")
+    add("--batch-size", type=_positive_int, default=64, help="samples per micro-step on each data-parallel replica")
+    add("--grad-accum", type=_positive_int, default=1, help="micro-steps accumulated per optimizer step")
+    add("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    add("--lr", type=_positive_float, default=None, help="peak learning rate (default: 1e-3 for adamw, 0.05 for sgd)")
+    add("--momentum", type=float, default=0.9, help="SGD momentum")
+    add("--weight-decay", type=float, default=None, help="(default: 0.01 for adamw, 5e-4 for sgd)")
+    add("--scale-lr", action="store_true", help="linear scaling rule: lr *= global_batch_size / base_batch_size")
+    add("--base-batch-size", type=_positive_int, default=64, help="the global batch size --lr was tuned for")
+    add("--warmup-steps", type=_non_negative_int, default=0, help="ramp the lr linearly over this many optimizer steps")
+    add("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast the forward pass to bfloat16")
+    add("--width", type=_positive_int, default=1, help="BabyCNN channel multiplier (parameters grow with its square)")
+    add("--seed", type=int, default=0, help="same initial weights and data order on every rank")
+    add("--log-every", type=_positive_int, default=20, help="optimizer steps between all-reduced loss readings")
+    add("--save", metavar="PATH", help="write the final weights as a plain state dict (rank 0)")
+    add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")
+    return p
+
+
+def learning_rate(args, global_batch_size):
+    """The peak learning rate, after the linear scaling rule when --scale-lr asks for it."""
+    lr = args.lr if args.lr is not None else {"adamw": 1e-3, "sgd": 0.05}[args.optimizer]
+    return lr * global_batch_size / args.base_batch_size if args.scale_lr else lr
+
+
+def make_optimizer(args, parameters, lr):
+    """The optimizer, and a scheduler for the linear warmup (then a constant lr)."""
+    if args.optimizer == "sgd":
+        weight_decay = 5e-4 if args.weight_decay is None else args.weight_decay
+        optimizer = torch.optim.SGD(parameters, lr=lr, momentum=args.momentum, weight_decay=weight_decay)
+    else:
+        weight_decay = 0.01 if args.weight_decay is None else args.weight_decay
+        optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
+    # LinearLR multiplies the lr by a factor going from 1/(warmup+1) to 1 over the warmup steps.
+    start = 1 / (args.warmup_steps + 1)
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=start, total_iters=args.warmup_steps)
+    return optimizer, scheduler
+
+
+def autocast(args, device):
+    """The autocast context for the forward pass (bf16 on CPU and GPU alike), or a no-op for fp32."""
+    if args.precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def _local_bytes(tensor):
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()  # an FSDP shard: count what this rank holds
+    return tensor.numel() * tensor.element_size()
+
+
+def state_bytes(model, optimizer):
+    """Bytes of parameters + gradients + optimizer state held by this rank."""
+    total = 0
+    for parameter in model.parameters():
+        total += _local_bytes(parameter)
+        if parameter.grad is not None:
+            total += _local_bytes(parameter.grad)
+    for state in optimizer.state.values():
+        total += sum(_local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def peak_memory_bytes(device):
+    """CUDA's max allocated bytes on GPU; on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _write_atomically(path, write):
+    """Write to a temporary file beside ``path``, then rename: readers never see half a file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(handle, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+def save_state_dict(state_dict, path):
+    """Save a plain ``{name: tensor}`` state dict (on CPU) so ``torch.load(weights_only=True)`` reads it."""
+    state_dict = {name: tensor.detach().cpu() for name, tensor in state_dict.items()}
+    _write_atomically(path, lambda file: torch.save(state_dict, file))
+
+
+def check_output_paths(args):
+    """Fail at start-up, not after training, when --save or --metrics cannot be written.
+
+    Rank 0 (the only writer) tries a real write beside each path and tells the others the verdict.
+    """
+    import torch.distributed as dist
+
+    verdict = [None]
+    if dist.get_rank() == 0:
+        for flag, path in (("--save", args.save), ("--metrics", args.metrics)):
+            if path and verdict[0] is None:
+                try:
+                    _write_atomically(os.path.join(os.path.dirname(os.path.abspath(path)), ".write-test"), lambda file: None)
+                    os.unlink(os.path.join(os.path.dirname(os.path.abspath(path)), ".write-test"))
+                    if os.path.isdir(path):
+                        raise IsADirectoryError("it is a directory")
+                except OSError as error:
+                    verdict[0] = f"{flag} {path}: cannot write there ({error.strerror or error})"
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise UsageError(verdict[0])
+
+
+class Progress:
+    """Rank 0's progress bar, the training clock (evaluation excluded) and the loss curve."""
+
+    def __init__(self, total_steps, global_batch_size, rank, log_every):
+        self.total_steps, self.global_batch_size, self.log_every = total_steps, global_batch_size, log_every
+        # In a log file (not a terminal) a redraw every 10 s is plenty.
+        refresh = 0.1 if sys.stderr.isatty() else 10
+        self.bar = tqdm(total=total_steps, unit="step", disable=rank != 0, dynamic_ncols=True, mininterval=refresh)
+        self.step, self.train_seconds, self.loss_curve = 0, 0.0, []
+        self.final_train_loss = float("nan")
+        self._started = None
+
+    def start_epoch(self):
+        self._started = time.perf_counter()
+
+    def end_epoch(self):
+        self.train_seconds += time.perf_counter() - self._started
+        self._started = None
+        if self.step == self.total_steps:
+            self.bar.close()  # before the last evaluation, so the bar's rate is the training rate
+
+    def samples_per_second(self):
+        running = time.perf_counter() - self._started if self._started is not None else 0.0
+        return self.step * self.global_batch_size / max(self.train_seconds + running, 1e-9)
+
+    def update(self, end_of_epoch):
+        """Count one optimizer step; True when the loss window should be reduced and logged."""
+        self.step += 1
+        self.bar.update()
+        return self.step % self.log_every == 0 or self.step == self.total_steps or end_of_epoch
+
+    def record_loss(self, loss, label):
+        self.final_train_loss = loss
+        self.loss_curve.append([self.step, loss])
+        self.bar.set_postfix({label: f"{loss:.4f}", "samples/s": f"{self.samples_per_second():.0f}"})
+
+    def close(self):
+        self.bar.close()
+
+    def summary(self):
+        return {
+            "steps": self.step,
+            "samples_per_second": self.samples_per_second(),
+            "train_seconds": self.train_seconds,
+            "final_train_loss": self.final_train_loss,
+            "loss_curve": self.loss_curve,
+        }
+
+
+def write_metrics(path, summary, per_rank_state):
+    """Gather every rank's ``per_rank_state`` dict; rank 0 writes ``summary`` plus that list as JSON."""
+    import torch.distributed as dist
+
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, per_rank_state)
+    if dist.get_rank() == 0:
+        _write_atomically(path, lambda file: file.write((json.dumps({**summary, "ranks": per_rank}, indent=2) + "\n").encode()))

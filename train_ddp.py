@@ -1,0 +1,154 @@
+"""Train BabyCNN with DistributedDataParallel (DDP): a full replica per rank, gradients all-reduced.
+
+Launch (run_ddp.sh and the README use the same commands):
+    python train_ddp.py                                        # one process, no torchrun
+    torchrun --standalone --nproc-per-node=2 train_ddp.py      # one node, 2 processes (GPUs or CPUs)
+    torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500 \
+        --rdzv-id=babycnn train_ddp.py                         # two nodes: run this on each of them
+Through the wrapper: `bash run_ddp.sh [flags]`, and for two nodes
+`NNODES=2 NODE_RANK=0|1 MASTER_ADDR=node0 MASTER_PORT=29500 bash run_ddp.sh [flags]` on each node.
+
+What DDP changes compared with one process:
+  setup  every process joins a process group (NCCL on GPUs, gloo on CPUs)
+  data   DistributedSampler hands each rank a disjoint shard of each epoch's shuffled order
+  wrap   DDP(model) broadcasts rank 0's weights, then all-reduces gradients during backward
+  loop   no_sync() skips that all-reduce on all but the last micro-step of gradient accumulation
+  save   only rank 0 writes, from model.module (the plain model inside the wrapper)
+"""
+
+import os
+from contextlib import nullcontext
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+from models import BabyCNN, data, training
+
+
+def main():
+    args = training.parser(__doc__.splitlines()[0]).parse_args()
+
+    # ---- setup: one process per device, all of them in one process group ----
+    rank = int(os.environ.get("RANK", 0))  # global rank: decides who logs and writes files
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks the GPU
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    timeout = timedelta(minutes=10)  # a collective that waits longer than this fails instead of hanging
+    if "RANK" in os.environ:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    else:  # plain `python train_ddp.py`: a group of one, so every line below runs unchanged
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    try:
+        log = tqdm.write if rank == 0 else lambda *_: None
+        training.check_output_paths(args)
+
+        # ---- data: the whole split on the device; DistributedSampler picks this rank's share ----
+        dataset = data.load(args.dataset, args.data_dir, device, download=not args.no_download, log=log)
+        # drop_last: each rank gets floor(N / world_size) samples, so all ranks run the same steps
+        sampler = DistributedSampler(
+            range(len(dataset.train)), num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+        )
+        samples_per_step = args.batch_size * args.grad_accum  # per rank, per optimizer step
+        steps_per_epoch = len(sampler) // samples_per_step
+        if steps_per_epoch == 0:
+            raise training.UsageError(
+                f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} is more than the "
+                f"{len(sampler)} samples each of the {world_size} ranks gets from {dataset.name}; make it smaller"
+            )
+        global_batch_size = samples_per_step * world_size
+        total_steps = steps_per_epoch * args.epochs if not args.max_steps else min(args.max_steps, steps_per_epoch * args.epochs)
+
+        # ---- model: the same initial weights on every rank, from the seed ----
+        torch.manual_seed(args.seed)
+        model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device=device)
+        param_count = sum(p.numel() for p in model.parameters())
+
+        # ---- wrap: DDP keeps a full replica here and averages gradients across ranks ----
+        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+        lr = training.learning_rate(args, global_batch_size)
+        optimizer, scheduler = training.make_optimizer(args, model.parameters(), lr)
+        log(
+            f"DDP on {world_size} rank(s) ({backend}, {device.type}): batch {args.batch_size} per rank x grad-accum "
+            f"{args.grad_accum} x {world_size} ranks = global batch {global_batch_size}; lr {lr:g}; "
+            f"{param_count:,} parameters; {args.precision}; {dataset.name}; {total_steps} steps"
+        )
+
+        # ---- train loop ----
+        progress = training.Progress(total_steps, global_batch_size, rank, args.log_every)
+        window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device: no per-step sync
+        test_loss = test_accuracy = float("nan")
+        for epoch in range(-(-total_steps // steps_per_epoch)):
+            sampler.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
+            order = torch.tensor(list(sampler), device=device)  # this rank's shard of the epoch
+            model.train()
+            progress.start_epoch()
+            epoch_steps = min(steps_per_epoch, total_steps - progress.step)
+            for step_in_epoch in range(epoch_steps):
+                optimizer.zero_grad(set_to_none=True)
+                for micro_step in range(args.grad_accum):
+                    begin = (step_in_epoch * args.grad_accum + micro_step) * args.batch_size
+                    images, labels = dataset.train.batch(order[begin : begin + args.batch_size])
+                    # no_sync: keep gradients local; the last micro-step's backward all-reduces their sum
+                    last_micro_step = micro_step == args.grad_accum - 1
+                    with nullcontext() if last_micro_step else model.no_sync():
+                        with training.autocast(args, device):
+                            loss = F.cross_entropy(model(images), labels)
+                        (loss / args.grad_accum).backward()  # the step's gradient is the mean over micro-steps
+                    window_loss += loss.detach()
+                    window_count += 1
+                optimizer.step()
+                scheduler.step()
+                if progress.update(end_of_epoch=step_in_epoch == epoch_steps - 1):
+                    # One all-reduce per logging window, not per step: the mean loss over all ranks.
+                    dist.all_reduce(window_loss)
+                    progress.record_loss(window_loss.item() / (window_count * world_size), "loss (all ranks)")
+                    window_loss.zero_()
+                    window_count = 0
+            progress.end_epoch()
+
+            # ---- evaluate: each rank scores a slice of the test set; the counts are all-reduced ----
+            model.eval()
+            with training.autocast(args, device):
+                test_loss, test_accuracy = data.evaluate(model, dataset.test, rank, world_size)
+            log(
+                f"epoch {epoch + 1}: step {progress.step}, train loss {progress.final_train_loss:.4f} (all ranks), "
+                f"test loss {test_loss:.4f}, test accuracy {test_accuracy:.2%}"
+            )
+        progress.close()
+
+        # ---- save: rank 0 writes the plain model's weights (model.module: no "module." prefix) ----
+        if args.save and rank == 0:
+            training.save_state_dict(model.module.state_dict(), args.save)
+            log(f"saved the weights to {args.save}")
+        if args.metrics:
+            summary = {
+                "strategy": "ddp",
+                "world_size": world_size,
+                "global_batch_size": global_batch_size,
+                **progress.summary(),
+                "test_loss": test_loss,
+                "test_accuracy": test_accuracy,
+                "param_count": param_count,
+                "precision": args.precision,
+                "dataset": dataset.name,
+                "lr": lr,
+            }
+            mine = {"rank": rank, "state_bytes": training.state_bytes(model, optimizer), "peak_memory_bytes": training.peak_memory_bytes(device)}
+            training.write_metrics(args.metrics, summary, mine)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    training.fail_cleanly(main)
