@@ -134,8 +134,8 @@ def _ensure_files(name, data_dir, download):
         dataset_class(data_dir, train=True, download=True)
         return None
     except Exception as error:  # torchvision raises RuntimeError or URLError, depending on the dataset
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return f"the download failed ({reason[:120]})"
+        reason = " ".join(str(error).split()) or type(error).__name__  # torchvision's message spans lines
+        return f"the download failed ({reason[:160]})"
     finally:
         socket.setdefaulttimeout(previous_timeout)
 

@@ -1,0 +1,135 @@
+"""Fixtures: MNIST-format files made by the test, and launchers for the real scripts.
+
+Every launch runs in its own process group with a hard timeout: on a timeout the whole group
+(torchrun and its workers) is killed and the test fails, so nothing in the suite can hang.
+"""
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from models.data import synthetic_digits  # noqa: E402
+
+TIMEOUT = 240  # seconds for one launch; a healthy one takes 5 to 40 here
+
+
+def child_env(**extra):
+    env = dict(os.environ)
+    env.pop("RANK", None)  # a test may itself run under a launcher; the children must not inherit it
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+class Run:
+    def __init__(self, args, env=None, cwd=None):
+        self.args = [str(a) for a in args]
+        self.process = subprocess.Popen(
+            self.args,
+            cwd=cwd or ROOT,
+            env=env or child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, so a timeout can kill every worker
+        )
+        self.started = time.monotonic()
+        self._chunks = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for chunk in iter(lambda: self.process.stdout.read1(4096), b""):
+            self._chunks.append(chunk)
+
+    @property
+    def output(self):
+        return b"".join(self._chunks).decode(errors="replace")
+
+    def kill(self):
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout=TIMEOUT):
+        try:
+            self.process.wait(timeout=max(1, timeout - (time.monotonic() - self.started)))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.process.wait()
+            self._reader.join(5)
+            pytest.fail(f"timed out after {timeout}s: {' '.join(self.args)}\n{self.output[-3000:]}")
+        self._reader.join(10)
+        self.seconds = time.monotonic() - self.started
+        self.returncode = self.process.returncode
+        return self
+
+    def wait_for_text(self, text, timeout=TIMEOUT):
+        while text not in self.output:
+            if self.process.poll() is not None or time.monotonic() - self.started > timeout:
+                self.kill()
+                pytest.fail(f"never printed {text!r}: {' '.join(self.args)}\n{self.output[-3000:]}")
+            time.sleep(0.1)
+
+
+def torchrun(script, nproc, *args, env=None):
+    """Start ``torchrun --standalone --nproc-per-node=nproc script args`` (not waited for)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", ROOT / script]
+    return Run(command + list(args), env=env)
+
+
+def python(script, *args, env=None):
+    """Start ``python script args``: one process, no torchrun."""
+    return Run([sys.executable, ROOT / script, *args], env=env)
+
+
+def succeeded(run):
+    run.wait()
+    assert run.returncode == 0, f"exit code {run.returncode}:\n{run.output[-4000:]}"
+    return run
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_idx(path, tensor):
+    """IDX format as MNIST ships it: magic (0, 0, 0x08 = uint8, ndim), big-endian dims, raw bytes."""
+    header = struct.pack(">BBBB", 0, 0, 0x08, tensor.dim()) + struct.pack(f">{tensor.dim()}I", *tensor.shape)
+    path.write_bytes(header + tensor.to(torch.uint8).contiguous().numpy().tobytes())
+
+
+@pytest.fixture(scope="session")
+def mnist_dir(tmp_path_factory):
+    """A data dir holding MNIST/raw/ with 640 training and 300 test images, read by torchvision."""
+    root = tmp_path_factory.mktemp("data")
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for prefix, count, seed in (("train", 640, 10), ("t10k", 300, 11)):
+        images, labels = synthetic_digits(count, seed=seed)
+        _write_idx(raw / f"{prefix}-images-idx3-ubyte", images[:, 0])
+        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
+    return root
+
+
+def load_weights(path):
+    return torch.load(path, weights_only=True)
+
+
+def max_difference(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
