@@ -1,12 +1,12 @@
 """Train BabyCNN with DistributedDataParallel (DDP): a full replica per rank, gradients all-reduced.
 
-Launch (run_ddp.sh and the README use the same commands):
-    python train_ddp.py                                        # one process, no torchrun
-    torchrun --standalone --nproc-per-node=2 train_ddp.py      # one node, 2 processes (GPUs or CPUs)
-    torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500 \
-        --rdzv-id=babycnn train_ddp.py                         # two nodes: run this on each of them
-Through the wrapper: `bash run_ddp.sh [flags]`, and for two nodes
-`NNODES=2 NODE_RANK=0|1 MASTER_ADDR=node0 MASTER_PORT=29500 bash run_ddp.sh [flags]` on each node.
+Launch (the README and run_ddp.sh use the same commands):
+    python train_ddp.py                                       # one process, no torchrun
+    torchrun --standalone --nproc-per-node=2 train_ddp.py     # one node, 2 processes
+    torchrun --nnodes=2 --node-rank=$NODE_RANK --nproc-per-node=2 --rdzv-backend=c10d \
+        --rdzv-endpoint=$MASTER_ADDR:29500 --rdzv-id=babycnn train_ddp.py   # two nodes: on each node
+Through the wrapper: `bash run_ddp.sh [flags]`; for two nodes, on each node,
+`NNODES=2 NODE_RANK=0|1 MASTER_ADDR=node0 MASTER_PORT=29500 bash run_ddp.sh [flags]`.
 
 What DDP changes compared with one process:
   setup  every process joins a process group (NCCL on GPUs, gloo on CPUs)
