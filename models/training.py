@@ -5,6 +5,7 @@ saves) stay inline in the script; only strategy-neutral plumbing lives here.
 """
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -42,6 +43,12 @@ def fail_cleanly(main):
         if launched_rank() == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+    finally:
+        # DDP and FSDP modules sit in reference cycles that keep the process group (and gloo's
+        # worker threads) alive until a garbage collection. Left to the interpreter's shutdown,
+        # that collection can run when threads may no longer take the GIL, and gloo aborts the
+        # process ("terminate called without an active exception"). Collect them now instead.
+        gc.collect()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,6 +101,7 @@ def parser(description):
     add("--width", type=_positive_int, default=1, help="BabyCNN channel multiplier (parameters grow with its square)")
     add("--seed", type=int, default=0, help="same initial weights and data order on every rank")
     add("--log-every", type=_positive_int, default=20, help="optimizer steps between all-reduced loss readings")
+    add("--no-eval", action="store_true", help="skip the test-set evaluation after each epoch (for measurements)")
     add("--save", metavar="PATH", help="write the final weights as a plain state dict (rank 0)")
     add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")
     return p
