@@ -87,7 +87,7 @@ def main():
         # ---- train loop ----
         progress = training.Progress(total_steps, global_batch_size, rank, args.log_every)
         window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device: no per-step sync
-        test_loss = test_accuracy = float("nan")
+        test_loss = test_accuracy = None  # stay None with --no-eval
         for epoch in range(-(-total_steps // steps_per_epoch)):
             sampler.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
             order = torch.tensor(list(sampler), device=device)  # this rank's shard of the epoch
@@ -118,6 +118,8 @@ def main():
             progress.end_epoch()
 
             # ---- evaluate: each rank scores a slice of the test set; the counts are all-reduced ----
+            if args.no_eval:
+                continue
             model.eval()
             with training.autocast(args, device):
                 test_loss, test_accuracy = data.evaluate(model, dataset.test, rank, world_size)

@@ -126,6 +126,27 @@ def mnist_dir(tmp_path_factory):
     return root
 
 
+# fp32 SGD with momentum and a warmup, crossing an epoch boundary (20 steps per epoch at global batch 32).
+EQUIVALENCE = ["--optimizer", "sgd", "--lr", "0.01", "--warmup-steps", "5", "--max-steps", "24", "--log-every", "8"]
+# Equal math, different float summation order (half-batches, then an all-reduce or reduce-scatter):
+# the equivalent runs in the tests end about 3e-7 apart on this data. On another CPU an activation within 1e-7 of a ReLU or
+# max-pool kink may take the other branch and leave up to ~3e-4 (seen with other data), so the
+# tolerance is 1e-3: still 150x below the negative control (one rank's half-batch alone).
+TOLERANCE = 1e-3
+
+
+def mnist_args(mnist_dir):
+    return ["--dataset", "mnist", "--data-dir", mnist_dir, "--no-download"]
+
+
+@pytest.fixture(scope="session")
+def reference(mnist_dir, tmp_path_factory):
+    """train_ddp.py, one process without torchrun, batch 32: the weights every equivalent run must reach."""
+    path = tmp_path_factory.mktemp("reference") / "reference.pt"
+    succeeded(python("train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "32", "--save", path))
+    return load_weights(path)
+
+
 def load_weights(path):
     return torch.load(path, weights_only=True)
 
@@ -133,3 +154,12 @@ def load_weights(path):
 def max_difference(a, b):
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def assert_one_line_error(run, message):
+    """A bad-input run: non-zero exit, exactly one `error:` line (from rank 0), no worker traceback."""
+    assert run.returncode != 0
+    errors = [line for line in run.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, run.output
+    assert message in errors[0], errors[0]
+    assert "[rank" not in run.output, run.output

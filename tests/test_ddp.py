@@ -9,29 +9,10 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, Run, child_env, free_port, load_weights, max_difference, python, succeeded, torchrun
+from conftest import (
+    EQUIVALENCE, ROOT, TOLERANCE, Run, assert_one_line_error, child_env, free_port, load_weights, max_difference, mnist_args, python, succeeded, torchrun,
+)
 from models import BabyCNN
-
-# fp32 SGD with momentum and a warmup, crossing an epoch boundary (20 steps per epoch at global batch 32).
-EQUIVALENCE = ["--optimizer", "sgd", "--lr", "0.01", "--warmup-steps", "5", "--max-steps", "24", "--log-every", "8"]
-# Equal math, different float summation order (two half-batches, then an all-reduce): the runs
-# below end about 3e-7 apart on this data. On another CPU an activation within 1e-7 of a ReLU or
-# max-pool kink may take the other branch and leave up to ~3e-4 (seen with other data), so the
-# tolerance is 1e-3: still 150x below the negative control (one rank's half-batch alone).
-TOLERANCE = 1e-3
-
-
-def mnist_args(mnist_dir):
-    return ["--dataset", "mnist", "--data-dir", mnist_dir, "--no-download"]
-
-
-@pytest.fixture(scope="module")
-def reference(mnist_dir, tmp_path_factory):
-    """One process without torchrun at batch 32: the weights every equivalent run must reach."""
-    path = tmp_path_factory.mktemp("ddp") / "reference.pt"
-    succeeded(python("train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "32", "--save", path))
-    return load_weights(path)
-
 
 @pytest.fixture(scope="module")
 def two_ranks(mnist_dir, tmp_path_factory):
@@ -141,11 +122,7 @@ def test_bf16_autocast_trains(mnist_dir, tmp_path):
 def test_bad_input_is_one_line_from_rank_zero(args, message, mnist_dir, tmp_path):
     fill = {"tmp": str(tmp_path), "mnist": str(mnist_dir)}
     run = torchrun("train_ddp.py", 2, *[a.format(**fill) for a in args]).wait(timeout=60)
-    assert run.returncode != 0
-    errors = [line for line in run.output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, run.output
-    assert message.format(**fill) in errors[0]
-    assert "[rank" not in run.output  # no worker printed a traceback
+    assert_one_line_error(run, message.format(**fill))
 
 
 def _worker_pids(parent):

@@ -1,0 +1,192 @@
+"""Train BabyCNN with Fully Sharded Data Parallel (FSDP2): each rank keeps only a shard of everything.
+
+Launch (the README and run_fsdp.sh use the same commands):
+    python train_fsdp.py                                      # one process, no torchrun
+    torchrun --standalone --nproc-per-node=2 train_fsdp.py    # one node, 2 processes
+    torchrun --nnodes=2 --node-rank=$NODE_RANK --nproc-per-node=2 --rdzv-backend=c10d \
+        --rdzv-endpoint=$MASTER_ADDR:29500 --rdzv-id=babycnn train_fsdp.py  # two nodes: on each node
+Through the wrapper: `bash run_fsdp.sh [flags]`; for two nodes, on each node,
+`NNODES=2 NODE_RANK=0|1 MASTER_ADDR=node0 MASTER_PORT=29500 bash run_fsdp.sh [flags]`.
+
+What FSDP changes compared with train_ddp.py:
+  setup  a device mesh: 1-D to shard over all ranks, 2-D (replicate x shard) for hybrid sharding
+  model  built on the meta device: no memory, no values yet
+  wrap   fully_shard() on each block, then on the root; then only the local shards are
+         materialised (to_empty) and initialised (reset_parameters)
+  loop   set_requires_gradient_sync(False) instead of no_sync(); bf16 through MixedPrecisionPolicy
+  save   get_model_state_dict(full_state_dict=True) gathers the shards; rank 0 writes them
+"""
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+from models import BabyCNN, data, training
+
+
+def main():
+    parser = training.parser(__doc__.splitlines()[0])
+    parser.add_argument("--sharding", choices=("full", "grad-op", "hybrid"), default="full",
+                        help="full: FULL_SHARD; grad-op: SHARD_GRAD_OP (keep gathered weights from forward to "
+                        "backward); hybrid: HSDP, shard inside groups, replicate across them")
+    parser.add_argument("--replicate-degree", type=int, default=None,
+                        help="hybrid only: number of replica groups (default: one per node)")
+    parser.add_argument("--cpu-offload", action="store_true", help="keep shards and optimizer state in CPU memory (GPUs only)")
+    args = parser.parse_args()
+
+    # ---- setup: one process per device, all of them in one process group ----
+    rank = int(os.environ.get("RANK", 0))  # global rank: decides who logs and writes files
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks the GPU
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    timeout = timedelta(minutes=10)  # a collective that waits longer than this fails instead of hanging
+    if "RANK" in os.environ:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    else:  # plain `python train_ddp.py`: a group of one, so every line below runs unchanged
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    try:
+        log = tqdm.write if rank == 0 else lambda *_: None
+        training.check_output_paths(args)
+        # The device mesh FSDP shards over: every rank in one row, or R replica groups (rows) for hybrid.
+        if args.sharding == "hybrid":
+            replicas = args.replicate_degree or world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            if replicas < 1 or world_size % replicas:
+                raise training.UsageError(f"--replicate-degree {replicas} must be a positive divisor of the world size {world_size}")
+            mesh = init_device_mesh(device.type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
+        elif args.replicate_degree is not None:
+            raise training.UsageError(f"--replicate-degree applies to --sharding hybrid only, not --sharding {args.sharding}")
+        else:
+            mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+        if args.cpu_offload and device.type != "cuda":
+            raise training.UsageError("--cpu-offload needs GPUs: it keeps shards in CPU memory for GPU compute, and here everything is on the CPU already")
+
+        # ---- data: the whole split on the device; DistributedSampler picks this rank's share ----
+        dataset = data.load(args.dataset, args.data_dir, device, download=not args.no_download, log=log)
+        # drop_last: each rank gets floor(N / world_size) samples, so all ranks run the same steps
+        sampler = DistributedSampler(
+            range(len(dataset.train)), num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+        )
+        samples_per_step = args.batch_size * args.grad_accum  # per rank, per optimizer step
+        steps_per_epoch = len(sampler) // samples_per_step
+        if steps_per_epoch == 0:
+            raise training.UsageError(
+                f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} is more than the "
+                f"{len(sampler)} samples each of the {world_size} ranks gets from {dataset.name}; make it smaller"
+            )
+        global_batch_size = samples_per_step * world_size
+        total_steps = steps_per_epoch * args.epochs if not args.max_steps else min(args.max_steps, steps_per_epoch * args.epochs)
+
+        # ---- model: on the meta device, so the whole model never exists on one rank ----
+        torch.manual_seed(args.seed)
+        model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device="meta")
+        param_count = sum(p.numel() for p in model.parameters())
+
+        # ---- wrap: shard each block (one all-gather unit each), then the root ----
+        fsdp_options = dict(
+            mesh=mesh,
+            reshard_after_forward=args.sharding != "grad-op",  # grad-op keeps gathered weights until backward
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if args.precision == "bf16" else MixedPrecisionPolicy(),
+            offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy(),
+        )
+        for block in model.blocks:
+            fully_shard(block, **fsdp_options)
+        fully_shard(model, **fsdp_options)
+        # Materialise and initialise only this rank's shards: BabyCNN seeds every row, so the values
+        # are the ones train_ddp.py's model gets for the same --seed.
+        model.to_empty(device="cpu" if args.cpu_offload else device)
+        model.reset_parameters()
+        lr = training.learning_rate(args, global_batch_size)
+        optimizer, scheduler = training.make_optimizer(args, model.parameters(), lr)
+        log(
+            f"FSDP ({args.sharding}, mesh {tuple(mesh.shape)}) on {world_size} rank(s) ({backend}, {device.type}): batch {args.batch_size} per rank x grad-accum "
+            f"{args.grad_accum} x {world_size} ranks = global batch {global_batch_size}; lr {lr:g}; "
+            f"{param_count:,} parameters; {args.precision}; {dataset.name}; {total_steps} steps"
+        )
+
+        # ---- train loop ----
+        progress = training.Progress(total_steps, global_batch_size, rank, args.log_every)
+        window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device: no per-step sync
+        test_loss = test_accuracy = None  # stay None with --no-eval
+        for epoch in range(-(-total_steps // steps_per_epoch)):
+            sampler.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
+            order = torch.tensor(list(sampler), device=device)  # this rank's shard of the epoch
+            model.train()
+            progress.start_epoch()
+            epoch_steps = min(steps_per_epoch, total_steps - progress.step)
+            for step_in_epoch in range(epoch_steps):
+                optimizer.zero_grad(set_to_none=True)
+                for micro_step in range(args.grad_accum):
+                    begin = (step_in_epoch * args.grad_accum + micro_step) * args.batch_size
+                    images, labels = dataset.train.batch(order[begin : begin + args.batch_size])
+                    # Keep unsharded gradients local; the last micro-step's backward reduce-scatters their sum
+                    last_micro_step = micro_step == args.grad_accum - 1
+                    model.set_requires_gradient_sync(last_micro_step)
+                    loss = F.cross_entropy(model(images).float(), labels)  # bf16 logits under the policy: loss in fp32
+                    (loss / args.grad_accum).backward()  # the step's gradient is the mean over micro-steps
+                    window_loss += loss.detach()
+                    window_count += 1
+                optimizer.step()
+                scheduler.step()
+                if progress.update(end_of_epoch=step_in_epoch == epoch_steps - 1):
+                    # One all-reduce per logging window, not per step: the mean loss over all ranks.
+                    dist.all_reduce(window_loss)
+                    progress.record_loss(window_loss.item() / (window_count * world_size), "loss (all ranks)")
+                    window_loss.zero_()
+                    window_count = 0
+            progress.end_epoch()
+
+            # ---- evaluate: each rank scores a slice of the test set; the counts are all-reduced ----
+            if args.no_eval:
+                continue
+            model.eval()
+            test_loss, test_accuracy = data.evaluate(model, dataset.test, rank, world_size)
+            log(
+                f"epoch {epoch + 1}: step {progress.step}, train loss {progress.final_train_loss:.4f} (all ranks), "
+                f"test loss {test_loss:.4f}, test accuracy {test_accuracy:.2%}"
+            )
+        progress.close()
+
+        # ---- save: every rank sends its shards; rank 0 gets the full state dict in CPU memory and writes ----
+        if args.save:
+            full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if rank == 0:
+                training.save_state_dict(full_state, args.save)
+                log(f"saved the weights to {args.save}")
+        if args.metrics:
+            summary = {
+                "strategy": "fsdp",
+                "sharding": args.sharding,
+                "mesh": list(mesh.shape),
+                "world_size": world_size,
+                "global_batch_size": global_batch_size,
+                **progress.summary(),
+                "test_loss": test_loss,
+                "test_accuracy": test_accuracy,
+                "param_count": param_count,
+                "precision": args.precision,
+                "dataset": dataset.name,
+                "lr": lr,
+            }
+            mine = {"rank": rank, "state_bytes": training.state_bytes(model, optimizer), "peak_memory_bytes": training.peak_memory_bytes(device)}
+            training.write_metrics(args.metrics, summary, mine)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    training.fail_cleanly(main)
