@@ -237,22 +237,34 @@ def synthetic_digits(count, seed, image_size=28):
 
 
 @torch.no_grad()
-def evaluate(forward, split, rank, world_size, batch_size=512):
+def evaluate(forward, split, rank, world_size, batch_size=512, pipeline=False):
     """Test loss and accuracy of ``forward`` (images -> logits) over all of ``split``.
 
-    Each rank takes a contiguous slice of the test set (no sample twice, none left out) and the
-    sums are all-reduced. Every rank runs the same number of batches, even when its slice is one
-    sample shorter, because a sharded model (FSDP) needs every rank in each forward's all-gather.
+    ``rank`` and ``world_size`` count data-parallel replicas: each takes a contiguous slice of the
+    test set (no sample twice, none left out) and the sums are all-reduced over every process.
+    Every replica runs the same number of batches, even when its slice is one sample shorter,
+    because a sharded model (FSDP) needs every rank in each forward's all-gather.
+
+    With ``pipeline=True``, ``forward(images, labels)`` runs a pipeline schedule: every batch has
+    the same shape (short ones are padded, the padding not counted), the labels go to the last
+    stage, and ranks without the last stage return None and add nothing.
     """
     shard = torch.arange(len(split), device=split.labels.device).tensor_split(world_size)[rank]
     num_batches = math.ceil(math.ceil(len(split) / world_size) / batch_size)
     totals = torch.zeros(3, dtype=torch.float64, device=split.labels.device)  # loss sum, correct, count
     for i in range(num_batches):
-        images, labels = split.batch(shard[i * batch_size : (i + 1) * batch_size])
-        logits = forward(images).float()
+        indices = shard[i * batch_size : (i + 1) * batch_size]
+        real = indices.numel()
+        if pipeline:
+            indices = torch.cat([indices, indices.new_zeros(batch_size - real)])
+        images, labels = split.batch(indices)
+        logits = forward(images, labels) if pipeline else forward(images)
+        if logits is None:
+            continue
+        logits, labels = logits[:real].float(), labels[:real]
         totals[0] += F.cross_entropy(logits, labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()
-        totals[2] += labels.numel()
+        totals[2] += real
     if dist.is_initialized():
         dist.all_reduce(totals)
     loss_sum, correct, count = totals.tolist()

@@ -4,6 +4,7 @@ Every launch runs in its own process group with a hard timeout: on a timeout the
 (torchrun and its workers) is killed and the test fails, so nothing in the suite can hang.
 """
 
+import json
 import os
 import signal
 import socket
@@ -140,11 +141,24 @@ def mnist_args(mnist_dir):
 
 
 @pytest.fixture(scope="session")
-def reference(mnist_dir, tmp_path_factory):
-    """train_ddp.py, one process without torchrun, batch 32: the weights every equivalent run must reach."""
-    path = tmp_path_factory.mktemp("reference") / "reference.pt"
-    succeeded(python("train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "32", "--save", path))
-    return load_weights(path)
+def reference_run(mnist_dir, tmp_path_factory):
+    """train_ddp.py, one process without torchrun, batch 32: what every equivalent run must reach."""
+    directory = tmp_path_factory.mktemp("reference")
+    succeeded(python("train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "32",
+                     "--save", directory / "reference.pt", "--metrics", directory / "reference.json"))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def reference(reference_run):
+    """The reference run's final weights."""
+    return load_weights(reference_run / "reference.pt")
+
+
+@pytest.fixture(scope="session")
+def reference_metrics(reference_run):
+    """The reference run's metrics: its logged loss curve and test accuracy."""
+    return json.loads((reference_run / "reference.json").read_text())
 
 
 def load_weights(path):

@@ -1,0 +1,72 @@
+"""train_pippy.py (torch.distributed.pipelining), launched for real under torchrun on gloo."""
+
+import json
+
+import pytest
+
+from conftest import (
+    EQUIVALENCE, TOLERANCE, assert_one_line_error, load_weights, max_difference, mnist_args, succeeded, torchrun,
+)
+
+LAYOUTS = {  # name: (ranks, flags); every layout has global batch 32
+    "gpipe-2": (2, ["--schedule", "gpipe", "--batch-size", "32"]),
+    "1f1b-2": (2, ["--schedule", "1f1b", "--batch-size", "32"]),
+    "1f1b-4-stages": (4, ["--schedule", "1f1b", "--batch-size", "32"]),
+    "interleaved-1f1b-2x2": (2, ["--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--batch-size", "32"]),
+    "looped-bfs-2x2": (2, ["--schedule", "looped-bfs", "--stages-per-rank", "2", "--batch-size", "32"]),
+    "interleaved-zb-2x2": (2, ["--schedule", "interleaved-zb", "--stages-per-rank", "2", "--batch-size", "32"]),
+    "zbv-2x2": (2, ["--schedule", "zbv", "--batch-size", "32", "--no-eval"]),
+    "1f1b-2-stages-x-2-replicas": (4, ["--schedule", "1f1b", "--data-parallel", "2", "--batch-size", "16", "--microbatches", "4"]),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_every_schedule_matches_one_ddp_process(name, reference, reference_metrics, mnist_dir, tmp_path):
+    ranks, flags = LAYOUTS[name]
+    path, metrics_path = tmp_path / "pipeline.pt", tmp_path / "metrics.json"
+    run = torchrun("train_pippy.py", ranks, *mnist_args(mnist_dir), *EQUIVALENCE, *flags, "--save", path, "--metrics", metrics_path)
+    succeeded(run)
+    assert max_difference(load_weights(path), reference) < TOLERANCE
+    metrics = json.loads(metrics_path.read_text())
+    assert metrics["global_batch_size"] == 32
+    # The loss rank 0 logs is the model's real loss, sent from the last stage: the same as DDP's.
+    assert [s for s, _ in metrics["loss_curve"]] == [s for s, _ in reference_metrics["loss_curve"]]
+    for (_, mine), (_, theirs) in zip(metrics["loss_curve"], reference_metrics["loss_curve"]):
+        assert mine == pytest.approx(theirs, abs=1e-4)
+    if "--no-eval" not in flags:  # evaluation also runs through the pipeline
+        assert metrics["test_accuracy"] == pytest.approx(reference_metrics["test_accuracy"], abs=1e-9)
+    # Every stage is placed exactly once per replica; together they hold all four blocks.
+    stages = sorted(s for r in metrics["ranks"] for s in r["stages"])
+    assert stages == sorted(list(range(metrics["stages"])) * metrics["data_parallel"])
+    assert sorted(b for r in metrics["ranks"] for bs in r["blocks"] for b in bs) == sorted([0, 1, 2, 3] * metrics["data_parallel"])
+
+
+def test_short_run_learns_and_rank_zero_reports_the_last_stage_loss(mnist_dir, tmp_path):
+    metrics_path = tmp_path / "metrics.json"
+    run = torchrun("train_pippy.py", 2, *mnist_args(mnist_dir), "--epochs", "4", "--batch-size", "32", "--metrics", metrics_path)
+    succeeded(run)
+    metrics = json.loads(metrics_path.read_text())
+    curve = [loss for _, loss in metrics["loss_curve"]]
+    assert curve[-1] < curve[0] / 2, curve
+    assert metrics["test_accuracy"] > 0.7  # chance is 0.1
+    assert "loss (last stage)" in run.output and run.output.count("epoch 4:") == 1
+    assert metrics["ranks"][0]["stages"] == [0] and metrics["ranks"][1]["stages"] == [1]
+    # Each rank holds only its own stage's state: together, one model's worth.
+    assert sum(r["state_bytes"] for r in metrics["ranks"]) == pytest.approx(4 * 4 * metrics["param_count"], rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch-size", "30", "--microbatches", "8"], "--batch-size 30 does not split into --microbatches 8 equal microbatches"),
+        (["--schedule", "1f1b", "--batch-size", "32", "--microbatches", "1"], "--schedule 1f1b needs at least as many microbatches as stages (2)"),
+        (["--schedule", "looped-bfs", "--stages-per-rank", "3"], "6 stages, but BabyCNN has only 4 blocks"),
+        (["--schedule", "gpipe", "--stages-per-rank", "2"], "--schedule gpipe runs one stage per rank"),
+        (["--schedule", "zbv"], "--schedule zbv trains, but its forward-only evaluation fails"),
+        (["--data-parallel", "3"], "--data-parallel 3 must be a positive divisor of the world size 2"),
+    ],
+    ids=["batch-not-divisible", "too-few-microbatches", "more-stages-than-blocks", "single-stage-schedule", "zbv-eval", "replicas"],
+)
+def test_bad_layouts_are_one_line_errors(args, message):
+    run = torchrun("train_pippy.py", 2, "--dataset", "synthetic", *args).wait(timeout=60)
+    assert_one_line_error(run, message)

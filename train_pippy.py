@@ -1,0 +1,267 @@
+"""Train BabyCNN with pipeline parallelism (torch.distributed.pipelining): each rank runs some blocks.
+
+Launch (the README and run_pippy.sh use the same commands):
+    python train_pippy.py                                     # one process: one stage, no pipeline
+    torchrun --standalone --nproc-per-node=2 train_pippy.py   # one node, 2 stages
+    torchrun --nnodes=2 --node-rank=$NODE_RANK --nproc-per-node=2 --rdzv-backend=c10d \
+        --rdzv-endpoint=$MASTER_ADDR:29500 --rdzv-id=babycnn train_pippy.py # two nodes: on each node
+Through the wrapper: `bash run_pippy.sh [flags]`; for two nodes, on each node,
+`NNODES=2 NODE_RANK=0|1 MASTER_ADDR=node0 MASTER_PORT=29500 bash run_pippy.sh [flags]`.
+
+What pipeline parallelism changes compared with train_ddp.py:
+  setup  a device mesh: data-parallel replicas x pipeline stages (--data-parallel D)
+  model  only this rank's blocks are built (the rest of BabyCNN becomes nn.Identity), on meta,
+         then materialised and initialised
+  wrap   each local stage becomes a PipelineStage; a schedule (GPipe, 1F1B, interleaved, ...) runs
+         the microbatches through all of them; with D > 1 each stage is also wrapped in DDP
+  loop   schedule.step(): the first stage feeds inputs, the last stage computes the loss; the
+         logged loss comes from the last stage
+  save   every stage's weights are gathered on rank 0, which writes one plain state dict
+"""
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import (
+    PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS, ScheduleZBVZeroBubble,
+)
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+from models import BabyCNN, data, training
+
+# name: (schedule class, stages per rank it runs)
+SCHEDULES = {
+    "gpipe": (ScheduleGPipe, "one"),
+    "1f1b": (Schedule1F1B, "one"),
+    "interleaved-1f1b": (ScheduleInterleaved1F1B, "several"),
+    "looped-bfs": (ScheduleLoopedBFS, "several"),
+    "interleaved-zb": (ScheduleInterleavedZeroBubble, "several"),
+    "zbv": (ScheduleZBVZeroBubble, "two, in a V"),
+}
+
+
+def main():
+    parser = training.parser(__doc__.splitlines()[0])
+    parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b")
+    parser.add_argument("--microbatches", type=int, default=8, help="microbatches each --batch-size is split into")
+    parser.add_argument("--stages-per-rank", type=int, default=None,
+                        help="stages on each rank (default: 1 for gpipe and 1f1b, 2 for the others)")
+    parser.add_argument("--data-parallel", type=int, default=1, help="D pipeline replicas; world size = D x pipeline ranks")
+    args = parser.parse_args()
+
+    # ---- setup: one process per device, all of them in one process group ----
+    rank = int(os.environ.get("RANK", 0))  # global rank: decides who logs and writes files
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks the GPU
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    timeout = timedelta(minutes=10)  # a collective that waits longer than this fails instead of hanging
+    if "RANK" in os.environ:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    else:  # plain `python train_ddp.py`: a group of one, so every line below runs unchanged
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    try:
+        log = tqdm.write if rank == 0 else lambda *_: None
+        training.check_output_paths(args)
+        # The device mesh: D replicas (rows) of a pipeline over world_size / D ranks (columns).
+        if args.data_parallel < 1 or world_size % args.data_parallel:
+            raise training.UsageError(f"--data-parallel {args.data_parallel} must be a positive divisor of the world size {world_size}")
+        pipeline_ranks = world_size // args.data_parallel
+        mesh = init_device_mesh(device.type, (args.data_parallel, pipeline_ranks), mesh_dim_names=("dp", "pp"))
+        dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+        schedule_class, stages_kind = SCHEDULES[args.schedule]
+        stages_per_rank = args.stages_per_rank or (1 if stages_kind == "one" else 2)
+        num_stages = pipeline_ranks * stages_per_rank
+        if stages_kind == "one" and stages_per_rank != 1:
+            raise training.UsageError(f"--schedule {args.schedule} runs one stage per rank; for --stages-per-rank {stages_per_rank} use interleaved-1f1b or looped-bfs")
+        if stages_kind != "one" and stages_per_rank < 2 or stages_kind == "two, in a V" and stages_per_rank != 2:
+            raise training.UsageError(f"--schedule {args.schedule} runs {stages_kind} stages per rank, not --stages-per-rank {stages_per_rank}")
+        check_microbatches(args, num_stages, pipeline_ranks)
+        if args.schedule == "zbv" and not args.no_eval:
+            raise training.UsageError(
+                f"--schedule zbv trains, but its forward-only evaluation fails on torch {torch.__version__} "
+                "(\"can't steal_bwd_input if this stage doesn't have backward\"); add --no-eval"
+            )
+        if args.data_parallel > 1 and args.schedule != "1f1b":
+            # Seen on torch 2.14: with DDP inside the stages, gpipe and the multi-stage schedules fail in
+            # DDP's reducer (its bucket rebuild expects one forward per backward); 1f1b trains exactly.
+            raise training.UsageError(f"--data-parallel {args.data_parallel} wraps each stage in DDP, which runs with --schedule 1f1b only, not {args.schedule}")
+
+        # ---- data: the whole split on the device; DistributedSampler picks this rank's share ----
+        dataset = data.load(args.dataset, args.data_dir, device, download=not args.no_download, log=log)
+        # drop_last: each rank gets floor(N / world_size) samples, so all ranks run the same steps
+        # Data parallelism is across replicas: every stage of replica d walks the same shard d.
+        sampler = DistributedSampler(
+            range(len(dataset.train)), num_replicas=args.data_parallel, rank=dp_rank, shuffle=True, seed=args.seed, drop_last=True
+        )
+        samples_per_step = args.batch_size * args.grad_accum  # per rank, per optimizer step
+        steps_per_epoch = len(sampler) // samples_per_step
+        if steps_per_epoch == 0:
+            raise training.UsageError(
+                f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} is more than the "
+                f"{len(sampler)} samples each of the {args.data_parallel} replicas gets from {dataset.name}; make it smaller"
+            )
+        global_batch_size = samples_per_step * args.data_parallel
+        total_steps = steps_per_epoch * args.epochs if not args.max_steps else min(args.max_steps, steps_per_epoch * args.epochs)
+
+        # ---- model: only this rank's stages, each a BabyCNN whose other blocks are nn.Identity ----
+        torch.manual_seed(args.seed)
+        whole = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device="meta")
+        param_count = sum(p.numel() for p in whole.parameters())
+        if num_stages > len(whole.blocks):
+            raise training.UsageError(f"{pipeline_ranks} pipeline ranks x {stages_per_rank} stages per rank = {num_stages} stages, but BabyCNN has only {len(whole.blocks)} blocks")
+        stage_blocks = whole.stage_blocks(num_stages)  # contiguous blocks per stage, balanced by compute
+        # Loop placement puts stage s on rank s % ranks; the V (zbv) gives rank r stages r and 2 x ranks - 1 - r.
+        if args.schedule == "zbv":
+            stage_indices = [pp_rank, 2 * pipeline_ranks - 1 - pp_rank]
+        else:
+            stage_indices = [pp_rank + k * pipeline_ranks for k in range(stages_per_rank)]
+        stage_models = []
+        for stage_index in stage_indices:
+            stage_model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device="meta")
+            for block_index in range(len(stage_model.blocks)):
+                if block_index not in stage_blocks[stage_index]:
+                    stage_model.blocks[block_index] = nn.Identity()  # keeps the names: blocks.2.conv1.weight
+            stage_model.to_empty(device=device)
+            stage_model.reset_parameters()  # row-seeded: the values the whole model gets on one process
+            stage_models.append(stage_model)
+
+        # ---- wrap: a PipelineStage per local stage (DDP inside when replicated), one schedule for all ----
+        pp_group = mesh.get_group("pp")
+        stages = []
+        for stage_index, stage_model in zip(stage_indices, stage_models):
+            if args.data_parallel > 1:  # average each stage's gradients with the same stage of the other replicas
+                stage_model = DDP(stage_model, process_group=mesh.get_group("dp"), device_ids=[local_rank] if device.type == "cuda" else None)
+            stages.append(PipelineStage(stage_model, stage_index, num_stages, device, group=pp_group))
+        has_first_stage, has_last_stage = 0 in stage_indices, num_stages - 1 in stage_indices
+
+        def loss_fn(logits, labels):  # runs on the last stage, once per microbatch
+            return F.cross_entropy(logits.float(), labels) / args.grad_accum
+
+        # Each microbatch's loss is a mean; the schedule divides the gradients by the microbatch count.
+        schedule = schedule_class(stages[0] if stages_kind == "one" else stages, n_microbatches=args.microbatches, loss_fn=loss_fn)
+        lr = training.learning_rate(args, global_batch_size)
+        model = nn.ModuleList(stage_models)  # this rank's parameters, for the optimizer and the metrics
+        optimizer, scheduler = training.make_optimizer(args, model.parameters(), lr)
+        log(
+            f"pipeline ({args.schedule}, {num_stages} stages: blocks {stage_blocks}) x {args.data_parallel} replica(s) on {world_size} "
+            f"rank(s) ({backend}, {device.type}): batch {args.batch_size} per replica in {args.microbatches} microbatches x grad-accum "
+            f"{args.grad_accum} x {args.data_parallel} replicas = global batch {global_batch_size}; lr {lr:g}; "
+            f"{param_count:,} parameters; {args.precision}; {dataset.name}; {total_steps} steps"
+        )
+
+        # ---- train loop ----
+        progress = training.Progress(total_steps, global_batch_size, rank, args.log_every)
+        window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device: no per-step sync
+        test_loss = test_accuracy = None  # stay None with --no-eval
+        for epoch in range(-(-total_steps // steps_per_epoch)):
+            sampler.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
+            order = torch.tensor(list(sampler), device=device)  # this rank's shard of the epoch
+            model.train()
+            progress.start_epoch()
+            epoch_steps = min(steps_per_epoch, total_steps - progress.step)
+            for step_in_epoch in range(epoch_steps):
+                optimizer.zero_grad(set_to_none=True)
+                for micro_step in range(args.grad_accum):
+                    begin = (step_in_epoch * args.grad_accum + micro_step) * args.batch_size
+                    images, labels = dataset.train.batch(order[begin : begin + args.batch_size])
+                    # Only the first stage reads inputs, only the last one sees targets and losses.
+                    losses = []
+                    with training.autocast(args, device):
+                        schedule.step(*([images] if has_first_stage else []), target=labels if has_last_stage else None,
+                                      losses=losses if has_last_stage else None)
+                    if has_last_stage:  # the batch's mean loss (loss_fn divided it by grad_accum)
+                        window_loss += torch.stack(losses).detach().sum() * args.grad_accum / args.microbatches
+                    window_count += 1
+                optimizer.step()
+                scheduler.step()
+                if progress.update(end_of_epoch=step_in_epoch == epoch_steps - 1):
+                    # Only last stages hold a loss (others add 0): the all-reduce brings it to rank 0.
+                    dist.all_reduce(window_loss)
+                    progress.record_loss(window_loss.item() / (window_count * args.data_parallel), "loss (last stage)")
+                    window_loss.zero_()
+                    window_count = 0
+            progress.end_epoch()
+
+            # ---- evaluate: each rank scores a slice of the test set; the counts are all-reduced ----
+            if args.no_eval:
+                continue
+            model.eval()
+
+            def pipeline_forward(images, labels):  # forward only, through every stage: logits on the last one
+                logits = schedule.eval(*([images] if has_first_stage else []), target=labels if has_last_stage else None)
+                return logits if has_last_stage else None
+
+            with training.autocast(args, device):
+                test_loss, test_accuracy = data.evaluate(
+                    pipeline_forward, dataset.test, dp_rank, args.data_parallel, batch_size=args.batch_size, pipeline=True
+                )
+            log(
+                f"epoch {epoch + 1}: step {progress.step}, train loss {progress.final_train_loss:.4f} (last stage), "
+                f"test loss {test_loss:.4f}, test accuracy {test_accuracy:.2%}"
+            )
+        progress.close()
+
+        # ---- save: replica 0's stages send their weights to rank 0, which writes one state dict ----
+        if args.save:
+            mine = {name: t.detach().cpu() for stage_model in stage_models for name, t in stage_model.state_dict().items()}
+            gathered = [None] * world_size if rank == 0 else None
+            dist.gather_object(mine if dp_rank == 0 else {}, gathered, dst=0)
+            if rank == 0:
+                training.save_state_dict({name: t for part in gathered for name, t in part.items()}, args.save)
+                log(f"saved the weights to {args.save}")
+        if args.metrics:
+            summary = {
+                "strategy": "pipeline",
+                "schedule": args.schedule,
+                "microbatches": args.microbatches,
+                "stages": num_stages,
+                "data_parallel": args.data_parallel,
+                "world_size": world_size,
+                "global_batch_size": global_batch_size,
+                **progress.summary(),
+                "test_loss": test_loss,
+                "test_accuracy": test_accuracy,
+                "param_count": param_count,
+                "precision": args.precision,
+                "dataset": dataset.name,
+                "lr": lr,
+            }
+            mine = {"rank": rank, "stages": stage_indices, "blocks": [stage_blocks[i] for i in stage_indices], "state_bytes": training.state_bytes(model, optimizer), "peak_memory_bytes": training.peak_memory_bytes(device)}
+            training.write_metrics(args.metrics, summary, mine)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_microbatches(args, num_stages, pipeline_ranks):
+    """Refuse, before any communication, the layouts whose schedules would fail or hang."""
+    if args.microbatches < 1 or args.batch_size % args.microbatches:
+        raise training.UsageError(f"--batch-size {args.batch_size} does not split into --microbatches {args.microbatches} equal microbatches")
+    if args.schedule == "1f1b" and args.microbatches < num_stages:
+        raise training.UsageError(f"--schedule 1f1b needs at least as many microbatches as stages ({num_stages}), got --microbatches {args.microbatches}")
+    if args.schedule in ("interleaved-1f1b", "interleaved-zb"):
+        rounds = max(1, args.microbatches // pipeline_ranks)
+        if args.microbatches % rounds:
+            raise training.UsageError(
+                f"--schedule {args.schedule} runs microbatches in rounds of {pipeline_ranks} (the pipeline ranks): "
+                f"--microbatches {args.microbatches} is not a multiple of its {rounds} rounds"
+            )
+    if args.schedule == "zbv" and args.microbatches < num_stages:
+        raise training.UsageError(f"--schedule zbv needs at least as many microbatches as stages ({num_stages}), got --microbatches {args.microbatches}")
+
+
+if __name__ == "__main__":
+    training.fail_cleanly(main)
