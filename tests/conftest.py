@@ -43,7 +43,7 @@ class Run:
             env=env or child_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group, so a timeout can kill every worker
+            start_new_session=True,  # not in pytest's process group: a Ctrl-C reaches pytest only
         )
         self.started = time.monotonic()
         self._chunks = []
@@ -59,10 +59,13 @@ class Run:
         return b"".join(self._chunks).decode(errors="replace")
 
     def kill(self):
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """SIGKILL the launch and every process below it. torchrun starts each worker in a session
+        of its own, so killing the process group alone would leave the workers running."""
+        for pid in [*descendants(self.process.pid), self.process.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def wait(self, timeout=TIMEOUT):
         try:
@@ -177,3 +180,48 @@ def assert_one_line_error(run, message):
     assert len(errors) == 1, run.output
     assert message in errors[0], errors[0]
     assert "[rank" not in run.output, run.output
+
+
+def _parents():
+    """{pid: parent pid} of every process, read from /proc."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    return parents
+
+
+def descendants(pid):
+    parents, found, frontier = _parents(), [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def worker_pids(parent):
+    """torchrun's worker processes (its children), by the RANK in their environment."""
+    workers = {}
+    for pid, parent_pid in _parents().items():
+        if parent_pid != parent:
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except OSError:
+            continue
+        if b"RANK" in environ:
+            workers[int(environ[b"RANK"])] = pid
+    return workers
+
+
+def launcher_env(**extra):
+    """Environment for a run_*.sh launch: torchrun must be this Python's."""
+    env = child_env(**extra)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
+    return env

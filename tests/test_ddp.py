@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import (
-    EQUIVALENCE, ROOT, TOLERANCE, Run, assert_one_line_error, child_env, free_port, load_weights, max_difference, mnist_args, python, succeeded, torchrun,
+    EQUIVALENCE, ROOT, TOLERANCE, Run, assert_one_line_error, launcher_env, worker_pids, free_port, load_weights, max_difference, mnist_args, python, succeeded, torchrun,
 )
 from models import BabyCNN
 
@@ -50,8 +50,7 @@ def test_two_nodes_train_together_like_one_node_with_two_processes(two_ranks, mn
     port, path = free_port(), tmp_path / "two_nodes.pt"
     nodes = []
     for node_rank in (0, 1):
-        env = child_env(NNODES=2, NODE_RANK=node_rank, NPROC_PER_NODE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RDZV_ID=f"test-{port}")
-        env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # torchrun of this Python
+        env = launcher_env(NNODES=2, NODE_RANK=node_rank, NPROC_PER_NODE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RDZV_ID=f"test-{port}")
         args = ["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "16", "--save", path]
         nodes.append(Run(args, env=env))
     for node in nodes:
@@ -108,46 +107,34 @@ def test_bf16_autocast_trains(mnist_dir, tmp_path):
     assert all(loss == loss for loss in curve) and curve[-1] < curve[0], curve
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--dataset", "mnist", "--no-download", "--data-dir", "{tmp}/missing"], "put the files in {tmp}/missing/MNIST/raw/"),
-        (["--dataset", "synthetic", "--batch-size", "0"], "argument --batch-size: must be a positive integer, got 0"),
-        (["--dataset", "mnist", "--no-download", "--data-dir", "{mnist}", "--batch-size", "321"], "is more than the 320 samples each of the 2 ranks gets"),
-        (["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
-        (["--dataset", "synthetic", "--save", "{tmp}"], "--save {tmp}: cannot write there"),
-    ],
-    ids=["missing-mnist", "zero-batch", "batch-over-shard", "unknown-dataset", "unwritable-save"],
-)
-def test_bad_input_is_one_line_from_rank_zero(args, message, mnist_dir, tmp_path):
-    fill = {"tmp": str(tmp_path), "mnist": str(mnist_dir)}
-    run = torchrun("train_ddp.py", 2, *[a.format(**fill) for a in args]).wait(timeout=60)
-    assert_one_line_error(run, message.format(**fill))
+BAD_INPUT = {  # case: (flags, the error line it must give)
+    "missing-mnist": (["--dataset", "mnist", "--no-download", "--data-dir", "{tmp}/missing"], "put the files in {tmp}/missing/MNIST/raw/"),
+    "zero-batch": (["--dataset", "synthetic", "--batch-size", "0"], "argument --batch-size: must be a positive integer, got 0"),
+    "batch-over-shard": (["--dataset", "mnist", "--no-download", "--data-dir", "{mnist}", "--batch-size", "321"], "is more than the 320 samples each of the 2 ranks gets"),
+    "unknown-dataset": (["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
+    "unwritable-save": (["--dataset", "synthetic", "--save", "{tmp}"], "--save {tmp}: cannot write there"),
+}
 
 
-def _worker_pids(parent):
-    """torchrun's worker processes, by their RANK, read from /proc."""
-    workers = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-        except (OSError, ValueError):
-            continue
-        if ppid == parent and b"RANK" in environ:
-            workers[int(environ[b"RANK"])] = int(entry)
-    return workers
+@pytest.fixture(scope="module")
+def bad_input_runs(mnist_dir, tmp_path_factory):
+    """Every bad-input case, launched at once (each fails within seconds)."""
+    fill = {"tmp": str(tmp_path_factory.mktemp("bad")), "mnist": str(mnist_dir)}
+    runs = {case: torchrun("train_ddp.py", 2, *[a.format(**fill) for a in args]) for case, (args, _) in BAD_INPUT.items()}
+    return runs, fill
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_is_one_line_from_rank_zero(case, bad_input_runs):
+    runs, fill = bad_input_runs
+    assert_one_line_error(runs[case].wait(timeout=90), BAD_INPUT[case][1].format(**fill))
 
 
 def test_a_rank_that_dies_ends_the_whole_job_quickly():
     run = torchrun("train_ddp.py", 2, "--dataset", "synthetic", "--epochs", "5")
     run.wait_for_text("DDP on 2 rank(s)")
     time.sleep(1)  # into the training loop, where rank 0 waits on rank 1 in every all-reduce
-    workers = _worker_pids(run.process.pid)
+    workers = worker_pids(run.process.pid)
     assert sorted(workers) == [0, 1], workers
     os.kill(workers[1], signal.SIGKILL)
     killed = time.monotonic()

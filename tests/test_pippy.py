@@ -55,18 +55,22 @@ def test_short_run_learns_and_rank_zero_reports_the_last_stage_loss(mnist_dir, t
     assert sum(r["state_bytes"] for r in metrics["ranks"]) == pytest.approx(4 * 4 * metrics["param_count"], rel=0.01)
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--batch-size", "30", "--microbatches", "8"], "--batch-size 30 does not split into --microbatches 8 equal microbatches"),
-        (["--schedule", "1f1b", "--batch-size", "32", "--microbatches", "1"], "--schedule 1f1b needs at least as many microbatches as stages (2)"),
-        (["--schedule", "looped-bfs", "--stages-per-rank", "3"], "6 stages, but BabyCNN has only 4 blocks"),
-        (["--schedule", "gpipe", "--stages-per-rank", "2"], "--schedule gpipe runs one stage per rank"),
-        (["--schedule", "zbv"], "--schedule zbv trains, but its forward-only evaluation fails"),
-        (["--data-parallel", "3"], "--data-parallel 3 must be a positive divisor of the world size 2"),
-    ],
-    ids=["batch-not-divisible", "too-few-microbatches", "more-stages-than-blocks", "single-stage-schedule", "zbv-eval", "replicas"],
-)
-def test_bad_layouts_are_one_line_errors(args, message):
-    run = torchrun("train_pippy.py", 2, "--dataset", "synthetic", *args).wait(timeout=60)
-    assert_one_line_error(run, message)
+BAD_LAYOUTS = {  # case: (flags, the error line it must give)
+    "batch-not-divisible": (["--batch-size", "30", "--microbatches", "8"], "--batch-size 30 does not split into --microbatches 8 equal microbatches"),
+    "too-few-microbatches": (["--schedule", "1f1b", "--batch-size", "32", "--microbatches", "1"], "--schedule 1f1b needs at least as many microbatches as stages (2)"),
+    "more-stages-than-blocks": (["--schedule", "looped-bfs", "--stages-per-rank", "3"], "6 stages, but BabyCNN has only 4 blocks"),
+    "single-stage-schedule": (["--schedule", "gpipe", "--stages-per-rank", "2"], "--schedule gpipe runs one stage per rank"),
+    "zbv-eval": (["--schedule", "zbv"], "--schedule zbv trains, but its forward-only evaluation fails"),
+    "replicas": (["--data-parallel", "3"], "--data-parallel 3 must be a positive divisor of the world size 2"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_layout_runs(mnist_dir):
+    """Every bad layout, launched at once (each fails within seconds)."""
+    return {case: torchrun("train_pippy.py", 2, *mnist_args(mnist_dir), *args) for case, (args, _) in BAD_LAYOUTS.items()}
+
+
+@pytest.mark.parametrize("case", BAD_LAYOUTS)
+def test_bad_layouts_are_one_line_errors(case, bad_layout_runs):
+    assert_one_line_error(bad_layout_runs[case].wait(timeout=90), BAD_LAYOUTS[case][1])
