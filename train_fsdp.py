@@ -29,7 +29,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
-from models import BabyCNN, data, training
+from models import BabyCNN, checkpoint, data, training
 
 
 def main():
@@ -112,6 +112,10 @@ def main():
         model.reset_parameters()
         lr = training.learning_rate(args, global_batch_size)
         optimizer, scheduler = training.make_optimizer(args, model.parameters(), lr)
+
+        # ---- resume: every rank loads its part of the newest checkpoint in --checkpoint-dir, if any ----
+        checkpointer = checkpoint.Checkpointer(args, dataset, "data parallel (DDP or FSDP)", world_size, global_batch_size)
+        resumed = checkpointer.resume(model, optimizer, scheduler, log) or {"step": 0, "epoch": 0, "samples_into_epoch": 0}
         log(
             f"FSDP ({args.sharding}, mesh {tuple(mesh.shape)}) on {world_size} rank(s) ({backend}, {device.type}): batch {args.batch_size} per rank x grad-accum "
             f"{args.grad_accum} x {world_size} ranks = global batch {global_batch_size}; lr {lr:g}; "
@@ -119,16 +123,18 @@ def main():
         )
 
         # ---- train loop ----
-        progress = training.Progress(total_steps, global_batch_size, rank, args.log_every)
+        progress = training.Progress(total_steps, global_batch_size, rank, args.log_every, start_step=resumed["step"])
         window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device: no per-step sync
         test_loss = test_accuracy = None  # stay None with --no-eval
-        for epoch in range(-(-total_steps // steps_per_epoch)):
+        first_epoch, first_step_in_epoch = resumed["epoch"], resumed["samples_into_epoch"] // global_batch_size
+        for epoch in range(first_epoch, -(-total_steps // steps_per_epoch)):
             sampler.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
             order = torch.tensor(list(sampler), device=device)  # this rank's shard of the epoch
             model.train()
             progress.start_epoch()
-            epoch_steps = min(steps_per_epoch, total_steps - progress.step)
-            for step_in_epoch in range(epoch_steps):
+            first = first_step_in_epoch if epoch == first_epoch else 0
+            last = min(steps_per_epoch, first + total_steps - progress.step)
+            for step_in_epoch in range(first, last):
                 optimizer.zero_grad(set_to_none=True)
                 for micro_step in range(args.grad_accum):
                     begin = (step_in_epoch * args.grad_accum + micro_step) * args.batch_size
@@ -142,12 +148,15 @@ def main():
                     window_count += 1
                 optimizer.step()
                 scheduler.step()
-                if progress.update(end_of_epoch=step_in_epoch == epoch_steps - 1):
+                if progress.update(end_of_epoch=step_in_epoch == last - 1):
                     # One all-reduce per logging window, not per step: the mean loss over all ranks.
                     dist.all_reduce(window_loss)
                     progress.record_loss(window_loss.item() / (window_count * world_size), "loss (all ranks)")
                     window_loss.zero_()
                     window_count = 0
+                if checkpointer.due(progress.step):  # a collective: every rank writes its part
+                    position = {"epoch": epoch, "samples_into_epoch": (step_in_epoch + 1) * global_batch_size}
+                    checkpointer.save(progress.step, position, model, optimizer, scheduler)
             progress.end_epoch()
 
             # ---- evaluate: each rank scores a slice of the test set; the counts are all-reduced ----

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
-from models import BabyCNN, data, training
+from models import BabyCNN, checkpoint, data, training
 
 # name: (schedule class, stages per rank it runs)
 SCHEDULES = {
@@ -117,32 +117,30 @@ def main():
         global_batch_size = samples_per_step * args.data_parallel
         total_steps = steps_per_epoch * args.epochs if not args.max_steps else min(args.max_steps, steps_per_epoch * args.epochs)
 
-        # ---- model: only this rank's stages, each a BabyCNN whose other blocks are nn.Identity ----
+        # ---- model: this rank's blocks only (the others become nn.Identity), on meta, then initialised ----
         torch.manual_seed(args.seed)
-        whole = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device="meta")
-        param_count = sum(p.numel() for p in whole.parameters())
-        if num_stages > len(whole.blocks):
-            raise training.UsageError(f"{pipeline_ranks} pipeline ranks x {stages_per_rank} stages per rank = {num_stages} stages, but BabyCNN has only {len(whole.blocks)} blocks")
-        stage_blocks = whole.stage_blocks(num_stages)  # contiguous blocks per stage, balanced by compute
+        model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device="meta")
+        param_count = sum(p.numel() for p in model.parameters())
+        if num_stages > len(model.blocks):
+            raise training.UsageError(f"{pipeline_ranks} pipeline ranks x {stages_per_rank} stages per rank = {num_stages} stages, but BabyCNN has only {len(model.blocks)} blocks")
+        stage_blocks = model.stage_blocks(num_stages)  # contiguous blocks per stage, balanced by compute
         # Loop placement puts stage s on rank s % ranks; the V (zbv) gives rank r stages r and 2 x ranks - 1 - r.
         if args.schedule == "zbv":
             stage_indices = [pp_rank, 2 * pipeline_ranks - 1 - pp_rank]
         else:
             stage_indices = [pp_rank + k * pipeline_ranks for k in range(stages_per_rank)]
-        stage_models = []
-        for stage_index in stage_indices:
-            stage_model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device="meta")
-            for block_index in range(len(stage_model.blocks)):
-                if block_index not in stage_blocks[stage_index]:
-                    stage_model.blocks[block_index] = nn.Identity()  # keeps the names: blocks.2.conv1.weight
-            stage_model.to_empty(device=device)
-            stage_model.reset_parameters()  # row-seeded: the values the whole model gets on one process
-            stage_models.append(stage_model)
+        local_blocks = [block for stage_index in stage_indices for block in stage_blocks[stage_index]]
+        for block_index in range(len(model.blocks)):
+            if block_index not in local_blocks:
+                model.blocks[block_index] = nn.Identity()  # parameter names stay the whole model's: blocks.2.conv1.weight
+        model.to_empty(device=device)
+        model.reset_parameters()  # row-seeded: the values the whole model gets on one process
 
         # ---- wrap: a PipelineStage per local stage (DDP inside when replicated), one schedule for all ----
         pp_group = mesh.get_group("pp")
         stages = []
-        for stage_index, stage_model in zip(stage_indices, stage_models):
+        for stage_index in stage_indices:
+            stage_model = nn.Sequential(*(model.blocks[block] for block in stage_blocks[stage_index]))  # shares model's blocks
             if args.data_parallel > 1:  # average each stage's gradients with the same stage of the other replicas
                 stage_model = DDP(stage_model, process_group=mesh.get_group("dp"), device_ids=[local_rank] if device.type == "cuda" else None)
             stages.append(PipelineStage(stage_model, stage_index, num_stages, device, group=pp_group))
@@ -154,8 +152,11 @@ def main():
         # Each microbatch's loss is a mean; the schedule divides the gradients by the microbatch count.
         schedule = schedule_class(stages[0] if stages_kind == "one" else stages, n_microbatches=args.microbatches, loss_fn=loss_fn)
         lr = training.learning_rate(args, global_batch_size)
-        model = nn.ModuleList(stage_models)  # this rank's parameters, for the optimizer and the metrics
         optimizer, scheduler = training.make_optimizer(args, model.parameters(), lr)
+
+        # ---- resume: every rank loads its part of the newest checkpoint in --checkpoint-dir, if any ----
+        checkpointer = checkpoint.Checkpointer(args, dataset, f"pipeline of {num_stages} stages", world_size, global_batch_size)
+        resumed = checkpointer.resume(model, optimizer, scheduler, log) or {"step": 0, "epoch": 0, "samples_into_epoch": 0}
         log(
             f"pipeline ({args.schedule}, {num_stages} stages: blocks {stage_blocks}) x {args.data_parallel} replica(s) on {world_size} "
             f"rank(s) ({backend}, {device.type}): batch {args.batch_size} per replica in {args.microbatches} microbatches x grad-accum "
@@ -164,16 +165,18 @@ def main():
         )
 
         # ---- train loop ----
-        progress = training.Progress(total_steps, global_batch_size, rank, args.log_every)
+        progress = training.Progress(total_steps, global_batch_size, rank, args.log_every, start_step=resumed["step"])
         window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device: no per-step sync
         test_loss = test_accuracy = None  # stay None with --no-eval
-        for epoch in range(-(-total_steps // steps_per_epoch)):
+        first_epoch, first_step_in_epoch = resumed["epoch"], resumed["samples_into_epoch"] // global_batch_size
+        for epoch in range(first_epoch, -(-total_steps // steps_per_epoch)):
             sampler.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
             order = torch.tensor(list(sampler), device=device)  # this rank's shard of the epoch
             model.train()
             progress.start_epoch()
-            epoch_steps = min(steps_per_epoch, total_steps - progress.step)
-            for step_in_epoch in range(epoch_steps):
+            first = first_step_in_epoch if epoch == first_epoch else 0
+            last = min(steps_per_epoch, first + total_steps - progress.step)
+            for step_in_epoch in range(first, last):
                 optimizer.zero_grad(set_to_none=True)
                 for micro_step in range(args.grad_accum):
                     begin = (step_in_epoch * args.grad_accum + micro_step) * args.batch_size
@@ -188,12 +191,15 @@ def main():
                     window_count += 1
                 optimizer.step()
                 scheduler.step()
-                if progress.update(end_of_epoch=step_in_epoch == epoch_steps - 1):
+                if progress.update(end_of_epoch=step_in_epoch == last - 1):
                     # Only last stages hold a loss (others add 0): the all-reduce brings it to rank 0.
                     dist.all_reduce(window_loss)
                     progress.record_loss(window_loss.item() / (window_count * args.data_parallel), "loss (last stage)")
                     window_loss.zero_()
                     window_count = 0
+                if checkpointer.due(progress.step):  # a collective: every rank writes its part
+                    position = {"epoch": epoch, "samples_into_epoch": (step_in_epoch + 1) * global_batch_size}
+                    checkpointer.save(progress.step, position, model, optimizer, scheduler)
             progress.end_epoch()
 
             # ---- evaluate: each rank scores a slice of the test set; the counts are all-reduced ----
@@ -217,7 +223,7 @@ def main():
 
         # ---- save: replica 0's stages send their weights to rank 0, which writes one state dict ----
         if args.save:
-            mine = {name: t.detach().cpu() for stage_model in stage_models for name, t in stage_model.state_dict().items()}
+            mine = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
             gathered = [None] * world_size if rank == 0 else None
             dist.gather_object(mine if dp_rank == 0 else {}, gathered, dst=0)
             if rank == 0:

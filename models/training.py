@@ -102,6 +102,9 @@ def parser(description):
     add("--seed", type=int, default=0, help="same initial weights and data order on every rank")
     add("--log-every", type=_positive_int, default=20, help="optimizer steps between all-reduced loss readings")
     add("--no-eval", action="store_true", help="skip the test-set evaluation after each epoch (for measurements)")
+    add("--checkpoint-dir", metavar="DIR", help="save checkpoints here, and resume from the newest one found there")
+    add("--checkpoint-every", type=_positive_int, default=100, help="optimizer steps between checkpoints")
+    add("--keep-checkpoints", type=_positive_int, default=2, help="how many of the newest checkpoints to keep")
     add("--save", metavar="PATH", help="write the final weights as a plain state dict (rank 0)")
     add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")
     return p
@@ -208,12 +211,13 @@ def check_output_paths(args):
 class Progress:
     """Rank 0's progress bar, the training clock (evaluation excluded) and the loss curve."""
 
-    def __init__(self, total_steps, global_batch_size, rank, log_every):
+    def __init__(self, total_steps, global_batch_size, rank, log_every, start_step=0):
         self.total_steps, self.global_batch_size, self.log_every = total_steps, global_batch_size, log_every
         # In a log file (not a terminal) a redraw every 10 s is plenty.
         refresh = 0.1 if sys.stderr.isatty() else 10
-        self.bar = tqdm(total=total_steps, unit="step", disable=rank != 0, dynamic_ncols=True, mininterval=refresh)
-        self.step, self.train_seconds, self.loss_curve = 0, 0.0, []
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", disable=rank != 0, dynamic_ncols=True, mininterval=refresh)
+        self.start_step = self.step = start_step  # a resumed run counts on from its checkpoint
+        self.train_seconds, self.loss_curve = 0.0, []
         self.final_train_loss = float("nan")
         self._started = None
 
@@ -228,7 +232,7 @@ class Progress:
 
     def samples_per_second(self):
         running = time.perf_counter() - self._started if self._started is not None else 0.0
-        return self.step * self.global_batch_size / max(self.train_seconds + running, 1e-9)
+        return (self.step - self.start_step) * self.global_batch_size / max(self.train_seconds + running, 1e-9)
 
     def update(self, end_of_epoch):
         """Count one optimizer step; True when the loss window should be reduced and logged."""

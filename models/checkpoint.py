@@ -1,0 +1,149 @@
+"""Checkpoints for all three scripts: torch.distributed.checkpoint (DCP), written atomically.
+
+A checkpoint is a directory ``step-<N>`` inside ``--checkpoint-dir``:
+
+* DCP files: model weights and optimizer state tensors, taken with ``get_state_dict`` under the
+  model's own parameter names. Every rank writes its own part in parallel (an FSDP shard, a
+  pipeline stage; replicated tensors are written once), and DCP can load them at another world
+  size or sharding: a DDP checkpoint resumes under FSDP and back.
+* ``checkpoint.json``: everything else, as plain JSON: the layout it was saved with, the step, the
+  position inside the epoch, the optimizer's param groups and the learning-rate scheduler. No
+  pickles anywhere: DCP is given tensors only (it would read anything else with
+  ``torch.load(weights_only=False)``).
+
+A save is written into ``.tmp-step-<N>`` and renamed once complete, so a crash mid-save leaves the
+previous checkpoint as it was. Loading takes the newest ``step-<N>``; a stray ``.tmp-*`` is ignored.
+The filesystem must be shared by all ranks (one directory, as on a cluster's shared storage).
+"""
+
+import json
+import os
+import re
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from models.training import UsageError
+
+FORMAT = 1
+_NAME = re.compile(r"^step-(\d+)$")
+
+
+class Checkpointer:
+    """Save every --checkpoint-every steps into --checkpoint-dir, keep the newest --keep-checkpoints,
+    resume from the newest.
+
+    A checkpoint loads only into the same model (BabyCNN's shape) and the same parallelism: DDP and
+    FSDP share one ("data parallel"), so each resumes the other's, at any world size; a pipeline only
+    resumes a pipeline with the same number of stages. Anything else is refused with one line
+    naming the file. World size and global batch may change.
+    """
+
+    def __init__(self, args, dataset, parallelism, world_size, global_batch_size):
+        self.directory, self.every, self.keep = args.checkpoint_dir, args.checkpoint_every, args.keep_checkpoints
+        model = dict(in_channels=dataset.in_channels, num_classes=dataset.num_classes, image_size=dataset.image_size, width=args.width)
+        self.layout = {"model": model, "parallelism": parallelism, "world_size": world_size, "global_batch_size": global_batch_size}
+        self.rank = dist.get_rank()
+
+    # ---- saving ----------------------------------------------------------------------------
+
+    def due(self, step):
+        return bool(self.directory) and step % self.every == 0
+
+    def save(self, step, position, model, optimizer, scheduler):
+        """Collective: every rank writes its part; rank 0 adds checkpoint.json and renames."""
+        final = os.path.join(self.directory, f"step-{step}")
+        temporary = os.path.join(self.directory, f".tmp-step-{step}")
+        if self.rank == 0:
+            shutil.rmtree(temporary, ignore_errors=True)  # left by a save that crashed
+            os.makedirs(temporary)
+        dist.barrier()
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        tensors = {"model": model_state, "optimizer": optimizer_state["state"], "rng": {f"rank{self.rank}": torch.get_rng_state()}}
+        dcp.save(tensors, checkpoint_id=temporary)  # returns once every rank's files and .metadata exist
+        if self.rank == 0:
+            info = {
+                "format": FORMAT,
+                "layout": self.layout,
+                "step": step,
+                **position,
+                # Hyperparameters only: which parameters a group holds differs by rank (pipeline stages).
+                "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer_state["param_groups"]],
+                "scheduler": scheduler.state_dict(),
+            }
+            with open(os.path.join(temporary, "checkpoint.json"), "w") as file:
+                json.dump(info, file, indent=2)
+                file.flush()
+                os.fsync(file.fileno())
+            shutil.rmtree(final, ignore_errors=True)  # the same step saved before (a rerun)
+            os.replace(temporary, final)
+            for old in self._complete()[: -self.keep]:
+                shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
+        dist.barrier()  # nobody starts the next save (or exits) before this one is in place
+
+    # ---- loading ---------------------------------------------------------------------------
+
+    def _complete(self):
+        """Names of complete checkpoints, oldest first."""
+        if not self.directory or not os.path.isdir(self.directory):
+            return []
+        names = [n for n in os.listdir(self.directory) if _NAME.match(n)]
+        return sorted(names, key=lambda n: int(_NAME.match(n).group(1)))
+
+    def resume(self, model, optimizer, scheduler, log):
+        """Load the newest checkpoint, if any. Returns its checkpoint.json (step, position) or None."""
+        verdict = [None]
+        if self.rank == 0:
+            verdict[0] = self._read_newest()
+        dist.broadcast_object_list(verdict, src=0)
+        path, info, problem = verdict[0]
+        if problem:
+            raise UsageError(problem)
+        if path is None:
+            return None
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        tensors = {"model": model_state, "optimizer": optimizer_state["state"]}
+        same_world = info["layout"]["world_size"] == self.layout["world_size"]
+        if same_world:  # random states are per rank: only meaningful at the same world size
+            tensors["rng"] = {f"rank{self.rank}": torch.get_rng_state()}
+        try:
+            dcp.load(tensors, checkpoint_id=path)
+        except (Exception, CheckpointException) as error:  # DCP raises the same CheckpointException on every rank
+            failures = getattr(error, "failures", None)  # {rank: (exception, traceback)}: keep the first cause
+            cause = next(iter(failures.values()))[0] if failures else error
+            reason = " ".join(str(cause).split())[:160]
+            raise UsageError(f"checkpoint {path} is unreadable ({type(cause).__name__}: {reason}); delete it to resume from an older one") from None
+        groups = [{**saved, "params": mine["params"]} for saved, mine in zip(info["param_groups"], optimizer_state["param_groups"])]
+        set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict={"state": tensors["optimizer"], "param_groups": groups})
+        scheduler.load_state_dict(info["scheduler"])
+        if same_world:
+            torch.set_rng_state(tensors["rng"][f"rank{self.rank}"])
+        log(f"resumed from {path} (step {info['step']}, epoch {info['epoch'] + 1})")
+        return info
+
+    def _read_newest(self):
+        """On rank 0: (path, checkpoint.json, None), (None, None, None) when there is none, or an error."""
+        names = self._complete()
+        if not names:
+            return None, None, None
+        path = os.path.join(self.directory, names[-1])
+        manifest = os.path.join(path, "checkpoint.json")
+        try:
+            with open(manifest) as file:
+                info = json.load(file)
+            saved = info["layout"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            return None, None, f"checkpoint {manifest} is unreadable ({error}); delete {path} to resume from an older one"
+        if info.get("format") != FORMAT:
+            return None, None, f"checkpoint {manifest} has format {info.get('format')}, this code reads format {FORMAT}"
+        for key in ("model", "parallelism"):
+            if saved.get(key) != self.layout.get(key):
+                return None, None, (
+                    f"checkpoint {manifest} was saved with {key} {saved.get(key)}, this run has {key} {self.layout.get(key)}; "
+                    f"use another --checkpoint-dir or the same {key}"
+                )
+        return path, info, None

@@ -1,0 +1,139 @@
+"""Checkpoint, resume and fault tolerance, with real kills, for all three scripts."""
+
+import json
+import os
+import shutil
+import signal
+import time
+
+import pytest
+
+from conftest import (
+    ROOT, Run, assert_one_line_error, launcher_env, load_weights, max_difference, mnist_args, python, succeeded,
+    torchrun, worker_pids,
+)
+
+# 100 fp32 steps over 5 epochs (20 steps each at global batch 32), a checkpoint every 10 steps.
+LONG = ["--optimizer", "sgd", "--lr", "0.01", "--epochs", "7", "--max-steps", "100", "--log-every", "10", "--checkpoint-every", "10"]
+SCRIPTS = {  # name: (launcher, script, flags)
+    "ddp": ("run_ddp.sh", "train_ddp.py", ["--batch-size", "16"]),
+    "fsdp": ("run_fsdp.sh", "train_fsdp.py", ["--batch-size", "16"]),
+    "pippy": ("run_pippy.sh", "train_pippy.py", ["--batch-size", "32"]),
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(mnist_dir, tmp_path_factory):
+    """uninterrupted(name): directory of a 2-rank run of that script, never stopped: final.pt and ck/."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            directory = tmp_path_factory.mktemp(f"uninterrupted-{name}")
+            _, script, flags = SCRIPTS[name]
+            succeeded(torchrun(script, 2, *mnist_args(mnist_dir), *LONG, *flags,
+                               "--checkpoint-dir", directory / "ck", "--save", directory / "final.pt"))
+            done[name] = directory
+        return done[name]
+
+    return get
+
+
+def wait_for(path, run, timeout=120):
+    start = time.monotonic()
+    while not path.exists():
+        if run.process.poll() is not None or time.monotonic() - start > timeout:
+            run.kill()
+            pytest.fail(f"{path} never appeared:\n{run.output[-3000:]}")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_interrupted(name, uninterrupted, mnist_dir, tmp_path):
+    launcher, _, flags = SCRIPTS[name]
+    args = ["bash", ROOT / launcher, *mnist_args(mnist_dir), *LONG, *flags, "--checkpoint-dir", tmp_path / "ck", "--save", tmp_path / "final.pt"]
+    run = Run(args, env=launcher_env(NPROC_PER_NODE=2, MAX_RESTARTS=1))
+    wait_for(tmp_path / "ck" / "step-20", run)
+    os.kill(worker_pids(run.process.pid)[1], signal.SIGKILL)  # rank 1 dies mid-run
+    succeeded(run)
+    assert "resumed from" in run.output  # torchrun restarted the workers, which resumed
+    assert max_difference(load_weights(tmp_path / "final.pt"), load_weights(uninterrupted(name) / "final.pt")) == 0
+
+
+def test_a_stopped_job_resumes_with_the_same_command(uninterrupted, mnist_dir, tmp_path):
+    args = [*mnist_args(mnist_dir), *LONG, "--batch-size", "16", "--checkpoint-dir", tmp_path / "ck", "--save", tmp_path / "final.pt"]
+    first = torchrun("train_ddp.py", 2, *args)
+    wait_for(tmp_path / "ck" / "step-30", first)
+    first.kill()  # the whole job, as a preemption would
+    first.wait()
+    assert not (tmp_path / "final.pt").exists()
+    second = succeeded(torchrun("train_ddp.py", 2, *args))
+    resumed = [line for line in second.output.splitlines() if "resumed from" in line]
+    assert len(resumed) == 1 and "/ck/step-" in resumed[0]
+    assert max_difference(load_weights(tmp_path / "final.pt"), load_weights(uninterrupted("ddp") / "final.pt")) == 0
+
+
+def copy_checkpoints(source, tmp_path):
+    target = tmp_path / "ck"
+    shutil.copytree(source / "ck", target)
+    return target
+
+
+def test_ddp_checkpoint_resumes_on_one_process_past_an_interrupted_save(uninterrupted, mnist_dir, tmp_path):
+    checkpoints = copy_checkpoints(uninterrupted("ddp"), tmp_path)
+    # What a crash in the middle of the next save leaves: a half-written temporary directory.
+    partial = checkpoints / ".tmp-step-110"
+    shutil.copytree(checkpoints / "step-100", partial)
+    data_file = next(partial.glob("*.distcp"))
+    data_file.write_bytes(data_file.read_bytes()[:100])
+    run = succeeded(python("train_ddp.py", *mnist_args(mnist_dir), *LONG, "--batch-size", "32",
+                           "--checkpoint-dir", checkpoints, "--save", tmp_path / "final.pt"))
+    assert f"resumed from {checkpoints}/step-100 (step 100" in run.output
+    # 100 of 100 steps were done: the run only loads (world size 2 -> 1) and saves.
+    assert max_difference(load_weights(tmp_path / "final.pt"), load_weights(uninterrupted("ddp") / "final.pt")) == 0
+
+
+@pytest.mark.parametrize(
+    "saved, script, ranks",
+    [("fsdp", "train_fsdp.py", 4), ("ddp", "train_fsdp.py", 2), ("fsdp", "train_ddp.py", 1)],
+    ids=["fsdp-2-to-fsdp-4", "ddp-to-fsdp", "fsdp-to-ddp"],
+)
+def test_data_parallel_checkpoints_reshard(saved, script, ranks, uninterrupted, mnist_dir, tmp_path):
+    checkpoints = copy_checkpoints(uninterrupted(saved), tmp_path)
+    run = succeeded(torchrun(script, ranks, *mnist_args(mnist_dir), *LONG, "--batch-size", str(32 // ranks),
+                             "--checkpoint-dir", checkpoints, "--save", tmp_path / "final.pt"))
+    assert "resumed from" in run.output
+    assert max_difference(load_weights(tmp_path / "final.pt"), load_weights(uninterrupted(saved) / "final.pt")) == 0
+
+
+def test_a_resharded_resume_continues_training(uninterrupted, mnist_dir, tmp_path):
+    checkpoints = copy_checkpoints(uninterrupted("fsdp"), tmp_path)
+    metrics_path = tmp_path / "metrics.json"
+    longer = [a if a != "100" else "140" for a in LONG]  # 40 more steps (2 epochs) than were saved
+    run = succeeded(torchrun("train_ddp.py", 1, *mnist_args(mnist_dir), *longer, "--batch-size", "32",
+                             "--checkpoint-dir", checkpoints, "--metrics", metrics_path))
+    assert "resumed from" in run.output
+    metrics = json.loads(metrics_path.read_text())
+    assert metrics["steps"] == 140 and metrics["loss_curve"][0][0] == 110  # counted on from step 100
+    before = json.loads((uninterrupted("fsdp") / "ck" / "step-100" / "checkpoint.json").read_text())
+    assert before["step"] == 100
+    assert metrics["final_train_loss"] < 1.0 and metrics["test_accuracy"] > 0.5
+
+
+def test_bad_checkpoints_are_one_line_errors(uninterrupted, mnist_dir, tmp_path):
+    corrupt = copy_checkpoints(uninterrupted("ddp"), tmp_path / "corrupt")
+    data_file = next((corrupt / "step-100").glob("*.distcp"))
+    data_file.write_bytes(data_file.read_bytes()[:100])
+    garbled = copy_checkpoints(uninterrupted("ddp"), tmp_path / "garbled")
+    (garbled / "step-100" / "checkpoint.json").write_text("{not json")
+    pipeline = copy_checkpoints(uninterrupted("pippy"), tmp_path / "pipeline")
+    cases = [  # (script, flags, message): started together, they fail while loading
+        ("train_ddp.py", ["--checkpoint-dir", corrupt], f"checkpoint {corrupt}/step-100 is unreadable"),
+        ("train_ddp.py", ["--checkpoint-dir", garbled], f"checkpoint {garbled}/step-100/checkpoint.json is unreadable"),
+        ("train_ddp.py", ["--checkpoint-dir", corrupt, "--width", "2"], "was saved with model {'in_channels': 1, 'num_classes': 10, 'image_size': 28, 'width': 1}"),
+        ("train_ddp.py", ["--checkpoint-dir", pipeline], "was saved with parallelism pipeline of 2 stages, this run has parallelism data parallel"),
+        ("train_pippy.py", ["--checkpoint-dir", pipeline, "--schedule", "looped-bfs"], "pipeline of 2 stages, this run has parallelism pipeline of 4 stages"),
+    ]
+    runs = [torchrun(script, 2, *mnist_args(mnist_dir), *LONG, "--batch-size", "16", *flags) for script, flags, _ in cases]
+    for run, (_, _, message) in zip(runs, cases):
+        assert_one_line_error(run.wait(timeout=120), str(message))
