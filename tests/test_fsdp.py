@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import (
-    EQUIVALENCE, TOLERANCE, assert_one_line_error, load_weights, max_difference, mnist_args, succeeded, torchrun,
+    EQUIVALENCE, TOLERANCE, assert_one_line_error, load_weights, max_difference, mnist_args, python, succeeded, torchrun,
 )
 
 
@@ -61,19 +61,22 @@ def test_bf16_mixed_precision_learns(mnist_dir, tmp_path):
     assert run.output.count("epoch 3:") == 1 and "loss (all ranks)" in run.output
 
 
-BAD_LAYOUTS = {  # case: (flags, the error line it must give)
-    "replicas-not-dividing": (["--sharding", "hybrid", "--replicate-degree", "3"], "--replicate-degree 3 must be a positive divisor of the world size 2"),
-    "replicas-without-hybrid": (["--sharding", "full", "--replicate-degree", "2"], "--replicate-degree applies to --sharding hybrid only"),
-    "cpu-offload-on-cpu": (["--cpu-offload"], "--cpu-offload needs GPUs"),
+BAD_LAYOUTS = {  # case: (processes, flags, the error line it must give); one process where the world size does not matter
+    "replicas-not-dividing": (2, ["--sharding", "hybrid", "--replicate-degree", "3"], "--replicate-degree 3 must be a positive divisor of the world size 2"),
+    "replicas-without-hybrid": (1, ["--sharding", "full", "--replicate-degree", "2"], "--replicate-degree applies to --sharding hybrid only"),
+    "cpu-offload-on-cpu": (1, ["--cpu-offload"], "--cpu-offload needs GPUs"),
 }
 
 
 @pytest.fixture(scope="module")
 def bad_layout_runs():
     """Every bad layout, launched at once (each fails within seconds)."""
-    return {case: torchrun("train_fsdp.py", 2, "--dataset", "synthetic", *args) for case, (args, _) in BAD_LAYOUTS.items()}
+    return {
+        case: torchrun("train_fsdp.py", ranks, "--dataset", "synthetic", *args) if ranks > 1 else python("train_fsdp.py", "--dataset", "synthetic", *args)
+        for case, (ranks, args, _) in BAD_LAYOUTS.items()
+    }
 
 
 @pytest.mark.parametrize("case", BAD_LAYOUTS)
 def test_impossible_layouts_are_one_line_errors(case, bad_layout_runs):
-    assert_one_line_error(bad_layout_runs[case].wait(timeout=90), BAD_LAYOUTS[case][1])
+    assert_one_line_error(bad_layout_runs[case].wait(timeout=90), BAD_LAYOUTS[case][2])

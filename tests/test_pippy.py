@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import (
-    EQUIVALENCE, TOLERANCE, assert_one_line_error, load_weights, max_difference, mnist_args, succeeded, torchrun,
+    EQUIVALENCE, TOLERANCE, assert_one_line_error, load_weights, max_difference, mnist_args, python, succeeded, torchrun,
 )
 
 LAYOUTS = {  # name: (ranks, flags); every layout has global batch 32
@@ -55,22 +55,25 @@ def test_short_run_learns_and_rank_zero_reports_the_last_stage_loss(mnist_dir, t
     assert sum(r["state_bytes"] for r in metrics["ranks"]) == pytest.approx(4 * 4 * metrics["param_count"], rel=0.01)
 
 
-BAD_LAYOUTS = {  # case: (flags, the error line it must give)
-    "batch-not-divisible": (["--batch-size", "30", "--microbatches", "8"], "--batch-size 30 does not split into --microbatches 8 equal microbatches"),
-    "too-few-microbatches": (["--schedule", "1f1b", "--batch-size", "32", "--microbatches", "1"], "--schedule 1f1b needs at least as many microbatches as stages (2)"),
-    "more-stages-than-blocks": (["--schedule", "looped-bfs", "--stages-per-rank", "3"], "6 stages, but BabyCNN has only 4 blocks"),
-    "single-stage-schedule": (["--schedule", "gpipe", "--stages-per-rank", "2"], "--schedule gpipe runs one stage per rank"),
-    "zbv-eval": (["--schedule", "zbv"], "--schedule zbv trains, but its forward-only evaluation fails"),
-    "replicas": (["--data-parallel", "3"], "--data-parallel 3 must be a positive divisor of the world size 2"),
+BAD_LAYOUTS = {  # case: (processes, flags, the error line it must give); one process where the world size does not matter
+    "batch-not-divisible": (1, ["--batch-size", "30", "--microbatches", "8"], "--batch-size 30 does not split into --microbatches 8 equal microbatches"),
+    "too-few-microbatches": (2, ["--schedule", "1f1b", "--batch-size", "32", "--microbatches", "1"], "--schedule 1f1b needs at least as many microbatches as stages (2)"),
+    "more-stages-than-blocks": (1, ["--schedule", "looped-bfs", "--stages-per-rank", "5"], "5 stages, but BabyCNN has only 4 blocks"),
+    "single-stage-schedule": (1, ["--schedule", "gpipe", "--stages-per-rank", "2"], "--schedule gpipe runs one stage per rank"),
+    "zbv-eval": (1, ["--schedule", "zbv"], "--schedule zbv trains, but its forward-only evaluation fails"),
+    "replicas": (2, ["--data-parallel", "3"], "--data-parallel 3 must be a positive divisor of the world size 2"),
 }
 
 
 @pytest.fixture(scope="module")
 def bad_layout_runs(mnist_dir):
     """Every bad layout, launched at once (each fails within seconds)."""
-    return {case: torchrun("train_pippy.py", 2, *mnist_args(mnist_dir), *args) for case, (args, _) in BAD_LAYOUTS.items()}
+    return {
+        case: torchrun("train_pippy.py", ranks, *mnist_args(mnist_dir), *args) if ranks > 1 else python("train_pippy.py", *mnist_args(mnist_dir), *args)
+        for case, (ranks, args, _) in BAD_LAYOUTS.items()
+    }
 
 
 @pytest.mark.parametrize("case", BAD_LAYOUTS)
 def test_bad_layouts_are_one_line_errors(case, bad_layout_runs):
-    assert_one_line_error(bad_layout_runs[case].wait(timeout=90), BAD_LAYOUTS[case][1])
+    assert_one_line_error(bad_layout_runs[case].wait(timeout=90), BAD_LAYOUTS[case][2])
