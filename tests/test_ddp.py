@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import sys
 import time
 
 import pytest
