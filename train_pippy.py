@@ -87,7 +87,7 @@ def main():
         num_stages = pipeline_ranks * stages_per_rank
         if stages_kind == "one" and stages_per_rank != 1:
             raise training.UsageError(f"--schedule {args.schedule} runs one stage per rank; for --stages-per-rank {stages_per_rank} use interleaved-1f1b or looped-bfs")
-        if stages_kind != "one" and stages_per_rank < 2 or stages_kind == "two, in a V" and stages_per_rank != 2:
+        if (stages_kind != "one" and stages_per_rank < 2) or (stages_kind == "two, in a V" and stages_per_rank != 2):
             raise training.UsageError(f"--schedule {args.schedule} runs {stages_kind} stages per rank, not --stages-per-rank {stages_per_rank}")
         check_microbatches(args, num_stages, pipeline_ranks)
         if args.schedule == "zbv" and not args.no_eval:

@@ -127,6 +127,10 @@ def main():
     results["loss_curves"] = {"ddp (2 ranks)": runs["ddp", 2]["loss_curve"], "fsdp (2 ranks)": runs["fsdp", 2]["loss_curve"],
                               "pipeline 1f1b (2 stages)": results["pipeline"]["rows"][-1]["loss_curve"]}
 
+    ratios = [results["overhead"]["ratio"], results["data_path"]["ratio"], *(results["scaling"][k]["speedup"] for k in ("ddp", "fsdp")),
+              *(row["ratio_to_ddp_over_n"] for row in results["memory"]["fsdp"].values()), *(row["ratio"] for row in results["pipeline"]["rows"])]
+    if not all(math.isfinite(v) and v > 0 for v in ratios):  # before anything is written
+        sys.exit(f"benchmark: a figure is not a positive finite number: {ratios}")
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     table = markdown(results)
     (out / "results.md").write_text(table)
@@ -190,8 +194,6 @@ def plot(r, path):
     memory.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    if not all(math.isfinite(v) for v in (r["overhead"]["ratio"], r["data_path"]["ratio"])):
-        sys.exit("benchmark: a figure is not finite")
 
 
 if __name__ == "__main__":

@@ -195,11 +195,12 @@ def check_output_paths(args):
     if dist.get_rank() == 0:
         for flag, path in (("--save", args.save), ("--metrics", args.metrics)):
             if path and verdict[0] is None:
+                probe = os.path.join(os.path.dirname(os.path.abspath(path)), ".write-test")
                 try:
-                    _write_atomically(os.path.join(os.path.dirname(os.path.abspath(path)), ".write-test"), lambda file: None)
-                    os.unlink(os.path.join(os.path.dirname(os.path.abspath(path)), ".write-test"))
                     if os.path.isdir(path):
                         raise IsADirectoryError("it is a directory")
+                    _write_atomically(probe, lambda file: None)
+                    os.unlink(probe)
                 except OSError as error:
                     verdict[0] = f"{flag} {path}: cannot write there ({error.strerror or error})"
     if dist.get_world_size() > 1:
