@@ -98,14 +98,16 @@ def main():
         # ---- wrap: shard each block (one all-gather unit each), then the root ----
         fsdp_options = dict(
             mesh=mesh,
-            reshard_after_forward=args.sharding != "grad-op",  # grad-op keeps gathered weights until backward
             mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             if args.precision == "bf16" else MixedPrecisionPolicy(),
             offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy(),
         )
-        for block in model.blocks:
-            fully_shard(block, **fsdp_options)
-        fully_shard(model, **fsdp_options)
+        reshard = args.sharding != "grad-op"  # grad-op keeps gathered weights from forward until backward
+        last_block = len(model.blocks) - 1
+        for index, block in enumerate(model.blocks):
+            # Backward starts with the last block: resharding it after forward would only gather it again.
+            fully_shard(block, reshard_after_forward=reshard and index != last_block, **fsdp_options)
+        fully_shard(model, reshard_after_forward=reshard, **fsdp_options)
         # Materialise and initialise only this rank's shards: BabyCNN seeds every row, so the values
         # are the ones train_ddp.py's model gets for the same --seed.
         model.to_empty(device="cpu" if args.cpu_offload else device)
@@ -164,6 +166,7 @@ def main():
                 continue
             model.eval()
             test_loss, test_accuracy = data.evaluate(model, dataset.test, rank, world_size)
+            model.blocks[last_block].reshard()  # no backward follows this forward to free the last block's gathered weights
             log(
                 f"epoch {epoch + 1}: step {progress.step}, train loss {progress.final_train_loss:.4f} (all ranks), "
                 f"test loss {test_loss:.4f}, test accuracy {test_accuracy:.2%}"
