@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,13 +23,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def launch(command, timeout):
+def launch(command, timeout, copies=1):
+    """Run ``copies`` instances of a command at the same time; return their outputs."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("RANK", None)
-    result = subprocess.run([str(c) for c in command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if result.returncode != 0:
-        sys.exit(f"benchmark: {' '.join(map(str, command))} failed:\n{result.stderr[-2000:]}")
-    return result.stdout
+    command = [str(c) for c in command]
+    processes = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(copies)]
+    outputs = []
+    for process in processes:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            sys.exit(f"benchmark: {' '.join(command)} took more than {timeout} s")
+        if process.returncode != 0:
+            sys.exit(f"benchmark: {' '.join(command)} failed:\n{stderr[-2000:]}")
+        outputs.append(stdout)
+    return outputs if copies > 1 else outputs[0]
 
 
 class Bench:
@@ -40,9 +53,9 @@ class Bench:
         self.done += 1
         print(f"[{self.done}/{self.total}] {what}", flush=True)
 
-    def train(self, script, ranks, *flags):
-        """Run a training script under torchrun (once per configuration); return its metrics."""
-        key = (script, ranks, *map(str, flags))
+    def train(self, script, ranks, *flags, repeat=0):
+        """Run a training script under torchrun (once per configuration and repeat); return its metrics."""
+        key = (script, ranks, *map(str, flags), repeat)
         if key not in self.cache:
             metrics = self.scratch / f"m{self.done}.json"
             common = ["--dataset", "synthetic", "--seed", "0", "--no-eval", "--metrics", metrics]
@@ -52,9 +65,15 @@ class Bench:
             self.cache[key] = json.loads(metrics.read_text())
         return self.cache[key]
 
-    def helper(self, name, *flags):
-        self.progress(f"benchmarks/{name} {' '.join(map(str, flags))}")
-        return json.loads(launch([sys.executable, ROOT / "benchmarks" / name, *flags], self.args.timeout).strip().splitlines()[-1])
+    def helper(self, name, *flags, copies=1, ranks=None):
+        """Run a helper script (``copies`` of it at the same time, or under torchrun on ``ranks`` processes);
+        return its JSON line (a list for copies > 1)."""
+        self.progress(f"benchmarks/{name} {' '.join(map(str, flags))}" + (f" ({copies} at once)" if copies > 1 else "")
+                      + (f" on {ranks} processes" if ranks else ""))
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks else []
+        outputs = launch([sys.executable, *launcher, ROOT / "benchmarks" / name, *flags], self.args.timeout, copies)
+        parsed = [json.loads(out.strip().splitlines()[-1]) for out in (outputs if copies > 1 else [outputs])]
+        return parsed if copies > 1 else parsed[0]
 
 
 def main():
@@ -65,10 +84,13 @@ def main():
     parser.add_argument("--width", type=int, default=None, help="BabyCNN width for the memory figure (default 8, quick 1)")
     parser.add_argument("--max-ranks", type=int, default=None, help="largest world size for the memory figure (default 4, quick 2)")
     parser.add_argument("--microbatches", default=None, help="comma-separated microbatch counts (default 2,4,8,16; quick 4)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="rounds of the throughput runs (figures 1 and 3), interleaved; medians are reported (default 3, quick 1)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds one configuration may take")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     steps = args.steps or (20 if args.quick else 300)
+    repeats = args.repeats or (1 if args.quick else 3)
     width = args.width or (1 if args.quick else 8)
     microbatches = [int(m) for m in (args.microbatches or ("4" if args.quick else "2,4,8,16")).split(",")]
     ranks_for_memory = [n for n in (1, 2, 4, 8) if n <= (args.max_ranks or (2 if args.quick else 4))]
@@ -76,35 +98,48 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     bench = Bench(args)
     # Configurations to run (identical ones run once: at width 1 the memory runs are the scaling runs).
-    bench.total = 6 + (1 + len(ranks_for_memory) if width > 1 else sum(n > 2 for n in ranks_for_memory)) + 3 * len(microbatches)
+    bench.total = 6 * repeats + 2 + (1 + len(ranks_for_memory) if width > 1 else sum(n > 2 for n in ranks_for_memory)) + 3 * len(microbatches)
     batch = ["--batch-size", args.batch_size, "--max-steps", steps, "--epochs", 1000]
     results = {"machine": machine(), "steps": steps, "batch_size": args.batch_size}
 
+    # 1 and 3. Throughput, in rounds: each round runs every configuration once, back to back, and its
+    # ratios compare runs of the same round. On a shared machine a neighbour's load moves one run by
+    # 5% or more, so the table reports the median over the rounds and the spread of the ratios.
+    rounds = []
+    for repeat in range(repeats):
+        bare = bench.helper("bare_loop.py", "--steps", steps, "--batch-size", args.batch_size)
+        two_bare = bench.helper("bare_loop.py", "--steps", steps, "--batch-size", args.batch_size, copies=2)
+        runs = {(strategy, ranks): bench.train(script, ranks, *batch, repeat=repeat)
+                for strategy, script in (("ddp", "train_ddp.py"), ("fsdp", "train_fsdp.py")) for ranks in (1, 2)}
+        rounds.append({"bare_loop": bare["samples_per_second"], "two_bare_loops": sum(b["samples_per_second"] for b in two_bare),
+                       **{f"{strategy}_{ranks}": run["samples_per_second"] for (strategy, ranks), run in runs.items()}})
+        if repeat == 0:
+            curves = {"ddp (2 ranks)": runs["ddp", 2]["loss_curve"], "fsdp (2 ranks)": runs["fsdp", 2]["loss_curve"]}
+
+    def summary(numerator, denominator):
+        ratios = [r[numerator] / r[denominator] for r in rounds]
+        return {numerator: statistics.median(r[numerator] for r in rounds), denominator: statistics.median(r[denominator] for r in rounds),
+                "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+
+    results["repeats"] = repeats
+    results["rounds"] = rounds
     # 1. Overhead: the script on one process against the bare loop over the same model.
-    ddp_one = bench.train("train_ddp.py", 1, *batch)
-    bare = bench.helper("bare_loop.py", "--steps", steps, "--batch-size", args.batch_size)
-    results["overhead"] = {"script": ddp_one["samples_per_second"], "bare_loop": bare["samples_per_second"],
-                           "ratio": ddp_one["samples_per_second"] / bare["samples_per_second"], "target": 0.95}
+    results["overhead"] = {**summary("ddp_1", "bare_loop"), "target": 0.95}
 
     # 2. Data path: on-device gather against torchvision Dataset + DataLoader + transforms.
     loaders = bench.helper("data_path.py", "--batches", max(steps, 50), "--batch-size", args.batch_size)
     results["data_path"] = {**loaders, "ratio": loaders["device_loader_samples_per_second"] / loaders["dataloader_samples_per_second"]}
 
-    # 3. Scaling: 2 processes against 1 (same per-rank batch), DDP and FSDP.
-    runs = {}
-    for strategy, script in (("ddp", "train_ddp.py"), ("fsdp", "train_fsdp.py")):
-        for ranks in (1, 2):
-            runs[strategy, ranks] = bench.train(script, ranks, *batch)
-    results["scaling"] = {
-        strategy: {"1": runs[strategy, 1]["samples_per_second"], "2": runs[strategy, 2]["samples_per_second"],
-                   "speedup": runs[strategy, 2]["samples_per_second"] / runs[strategy, 1]["samples_per_second"]}
-        for strategy in ("ddp", "fsdp")
-    }
-    results["scaling"]["target_ddp"] = 1.8
+    # 3. Scaling: 2 processes against 1 (same per-rank batch), DDP and FSDP; and the machine's own
+    # ceiling: two bare loops at once, which share the cores, caches and memory bandwidth but not a byte.
+    results["scaling"] = {"ddp": summary("ddp_2", "ddp_1"), "fsdp": summary("fsdp_2", "fsdp_1"),
+                          "ceiling": summary("two_bare_loops", "bare_loop"), "target_ddp": 1.8}
+    # Where a 2-process DDP step's time goes: compute, waiting for the slower rank, the all-reduce.
+    results["scaling"]["ddp_step"] = bench.helper("ddp_sync.py", "--steps", steps, "--batch-size", args.batch_size, ranks=2)
 
     # 4. Memory: per-rank training state of a wide model, FSDP on N ranks against DDP.
     memory_steps = batch if width == 1 else ["--batch-size", 8, "--max-steps", 2, "--epochs", 1, "--width", width]
-    ddp_state = bench.train("train_ddp.py", 1, *memory_steps)["ranks"][0]["state_bytes"]
+    ddp_state = bench.train("train_ddp.py", 1, *memory_steps)["ranks"][0]["state_bytes"]  # reuses round 0's run at width 1
     results["memory"] = {"width": width, "ddp_state_bytes": ddp_state, "target": 1.02, "fsdp": {}}
     for ranks in ranks_for_memory:
         per_rank = [r["state_bytes"] for r in bench.train("train_fsdp.py", ranks, *memory_steps)["ranks"]]
@@ -124,10 +159,10 @@ def main():
                 "schedule": schedule, "microbatches": m, "measured_step_seconds": measured, "ideal_step_seconds": ideal,
                 "ratio": measured / ideal, "bubble_fraction": (p - 1) / (m + p - 1), "loss_curve": metrics["loss_curve"],
             })
-    results["loss_curves"] = {"ddp (2 ranks)": runs["ddp", 2]["loss_curve"], "fsdp (2 ranks)": runs["fsdp", 2]["loss_curve"],
-                              "pipeline 1f1b (2 stages)": results["pipeline"]["rows"][-1]["loss_curve"]}
+    results["loss_curves"] = {**curves, "pipeline 1f1b (2 stages)": results["pipeline"]["rows"][-1]["loss_curve"]}
 
-    ratios = [results["overhead"]["ratio"], results["data_path"]["ratio"], *(results["scaling"][k]["speedup"] for k in ("ddp", "fsdp")),
+    ratios = [results["overhead"]["ratio"], results["data_path"]["ratio"], *(results["scaling"][k]["ratio"] for k in ("ddp", "fsdp", "ceiling")),
+              *results["scaling"]["ddp_step"].values(),
               *(row["ratio_to_ddp_over_n"] for row in results["memory"]["fsdp"].values()), *(row["ratio"] for row in results["pipeline"]["rows"])]
     if not all(math.isfinite(v) and v > 0 for v in ratios):  # before anything is written
         sys.exit(f"benchmark: a figure is not a positive finite number: {ratios}")
@@ -151,16 +186,26 @@ def machine():
 
 def markdown(r):
     o, d, s, mem = r["overhead"], r["data_path"], r["scaling"], r["memory"]
+    t = s["ddp_step"]
+
+    def spread(figure, spec):  # the lowest and highest ratio over the rounds
+        return f" ({figure['ratio_min']:{spec}}–{figure['ratio_max']:{spec}})" if r["repeats"] > 1 else ""
+
+    rounds = f"; figures 1 and 3 are medians of {r['repeats']} rounds (ratio range in brackets)" if r["repeats"] > 1 else ""
     lines = [
         f"Machine: {r['machine']['cpu']}, {r['machine']['cores']} cores, {r['machine']['gpus']} GPUs, torch {r['machine']['torch']}; "
-        f"{r['steps']} steps at batch {r['batch_size']} per rank, 1 thread per process, synthetic data.",
+        f"{r['steps']} steps at batch {r['batch_size']} per rank, 1 thread per process, synthetic data{rounds}.",
         "",
         "| figure | measured | reference | ratio | target |",
         "| --- | --- | --- | --- | --- |",
-        f"| 1. overhead: train_ddp.py, 1 process | {o['script']:,.0f} samples/s | bare loop {o['bare_loop']:,.0f} samples/s | {o['ratio']:.3f} | ≥ {o['target']} |",
+        f"| 1. overhead: train_ddp.py, 1 process | {o['ddp_1']:,.0f} samples/s | bare loop {o['bare_loop']:,.0f} samples/s | {o['ratio']:.3f}{spread(o, '.3f')} | ≥ {o['target']} |",
         f"| 2. data path: on-device gather | {d['device_loader_samples_per_second']:,.0f} samples/s | DataLoader + ToTensor/Normalize {d['dataloader_samples_per_second']:,.0f} samples/s | {d['ratio']:,.0f}× | |",
-        f"| 3. scaling: DDP, 2 processes | {s['ddp']['2']:,.0f} samples/s | 1 process {s['ddp']['1']:,.0f} samples/s | {s['ddp']['speedup']:.2f}× | ≥ {s['target_ddp']}× |",
-        f"| 3. scaling: FSDP, 2 processes | {s['fsdp']['2']:,.0f} samples/s | 1 process {s['fsdp']['1']:,.0f} samples/s | {s['fsdp']['speedup']:.2f}× | |",
+        f"| 3. scaling: DDP, 2 processes | {s['ddp']['ddp_2']:,.0f} samples/s | 1 process {s['ddp']['ddp_1']:,.0f} samples/s | {s['ddp']['ratio']:.2f}×{spread(s['ddp'], '.2f')} | ≥ {s['target_ddp']}× |",
+        f"| 3. scaling: FSDP, 2 processes | {s['fsdp']['fsdp_2']:,.0f} samples/s | 1 process {s['fsdp']['fsdp_1']:,.0f} samples/s | {s['fsdp']['ratio']:.2f}×{spread(s['fsdp'], '.2f')} | |",
+        f"| 3. DDP step on 2 processes, per rank | compute {t['compute_ms']:.1f} ms + waiting for the slower rank {t['wait_ms']:.1f} ms "
+        f"+ all-reduce once both are ready {t['allreduce_ms']:.1f} ms | the same all-reduce between idle ranks {t['idle_allreduce_ms']:.2f} ms "
+        f"(1 float: {t['idle_allreduce_one_float_ms']:.2f} ms) | | |",
+        f"| 3. ceiling: 2 bare loops at once, no communication | {s['ceiling']['two_bare_loops']:,.0f} samples/s | 1 bare loop {s['ceiling']['bare_loop']:,.0f} samples/s | {s['ceiling']['ratio']:.2f}×{spread(s['ceiling'], '.2f')} | |",
     ]
     for ranks, row in mem["fsdp"].items():
         lines.append(f"| 4. memory: FSDP, {ranks} rank(s), width {mem['width']} | {row['max_state_bytes']:,} bytes (largest rank) | "
@@ -183,9 +228,10 @@ def plot(r, path):
         curves.plot([s for s, _ in curve], [loss for _, loss in curve], marker=".", label=label)
     curves.set(title="training loss (logged, all ranks / last stage)", xlabel="optimizer step", ylabel="loss", yscale="log")
     curves.legend()
-    for strategy in ("ddp", "fsdp"):
-        speed.plot([1, 2], [r["scaling"][strategy]["1"], r["scaling"][strategy]["2"]], marker="o", label=strategy.upper())
-    speed.set(title="throughput by world size", xlabel="processes", ylabel="samples/s", xticks=[1, 2])
+    for strategy, one, two, label in (("ddp", "ddp_1", "ddp_2", "DDP"), ("fsdp", "fsdp_1", "fsdp_2", "FSDP"),
+                                      ("ceiling", "bare_loop", "two_bare_loops", "bare loops, no communication")):
+        speed.plot([1, 2], [r["scaling"][strategy][one], r["scaling"][strategy][two]], marker="o", label=label)
+    speed.set(title="throughput by world size (medians)", xlabel="processes", ylabel="samples/s", xticks=[1, 2])
     speed.legend()
     ranks = [int(n) for n in r["memory"]["fsdp"]]
     memory.plot(ranks, [r["memory"]["ddp_state_bytes"] / 2**20] * len(ranks), marker="o", label="DDP (every rank)")

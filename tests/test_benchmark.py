@@ -12,9 +12,11 @@ def test_quick_benchmark_reports_every_figure(tmp_path):
     assert run.returncode == 0, run.output[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     figures = [
-        results["overhead"]["script"], results["overhead"]["bare_loop"], results["overhead"]["ratio"],
+        results["overhead"]["ddp_1"], results["overhead"]["bare_loop"], results["overhead"]["ratio"],
         results["data_path"]["device_loader_samples_per_second"], results["data_path"]["dataloader_samples_per_second"],
-        *(results["scaling"][s][k] for s in ("ddp", "fsdp") for k in ("1", "2", "speedup")),
+        results["scaling"]["ddp"]["ddp_2"], results["scaling"]["fsdp"]["fsdp_2"], results["scaling"]["ceiling"]["two_bare_loops"],
+        *(results["scaling"][s][k] for s in ("ddp", "fsdp", "ceiling") for k in ("ratio", "ratio_min", "ratio_max")),
+        *(results["scaling"]["ddp_step"][k] for k in ("compute_ms", "wait_ms", "allreduce_ms", "idle_allreduce_ms", "idle_allreduce_one_float_ms")),
         results["memory"]["ddp_state_bytes"],
         *(row[k] for row in results["memory"]["fsdp"].values() for k in ("max_state_bytes", "ratio_to_ddp_over_n")),
         *(row[k] for row in results["pipeline"]["rows"] for k in ("measured_step_seconds", "ideal_step_seconds", "ratio", "bubble_fraction")),
