@@ -1,6 +1,6 @@
 """Measure the strategies side by side with the project's own scripts, in one run.
 
-    python benchmarks/compare.py                      # a few minutes on a 2-core CPU machine
+    python benchmarks/compare.py                      # about 11 minutes on a 2-core CPU machine
     python benchmarks/compare.py --quick              # the smallest size (the smoke test's)
     python benchmarks/compare.py --steps 2000 --width 32 --max-ranks 8   # on a GPU node
 
@@ -79,7 +79,7 @@ class Bench:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smallest size: fewer steps, narrower model, fewer configurations")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per training run (default 300, quick 20)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per training run (default 200, quick 20)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--width", type=int, default=None, help="BabyCNN width for the memory figure (default 8, quick 1)")
     parser.add_argument("--max-ranks", type=int, default=None, help="largest world size for the memory figure (default 4, quick 2)")
@@ -89,7 +89,7 @@ def main():
     parser.add_argument("--timeout", type=int, default=900, help="seconds one configuration may take")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
-    steps = args.steps or (20 if args.quick else 300)
+    steps = args.steps or (20 if args.quick else 200)
     repeats = args.repeats or (1 if args.quick else 3)
     width = args.width or (1 if args.quick else 8)
     microbatches = [int(m) for m in (args.microbatches or ("4" if args.quick else "2,4,8,16")).split(",")]
