@@ -81,7 +81,7 @@ def main():
 
         # ---- resume: every rank loads its part of the newest checkpoint in --checkpoint-dir, if any ----
         checkpointer = checkpoint.Checkpointer(args, dataset, "data parallel (DDP or FSDP)", world_size, global_batch_size)
-        resumed = checkpointer.resume(model, optimizer, scheduler, log) or {"step": 0, "epoch": 0, "samples_into_epoch": 0}
+        resumed = checkpointer.resume(model, optimizer, scheduler, log)
         log(
             f"DDP on {world_size} rank(s) ({backend}, {device.type}): batch {args.batch_size} per rank x grad-accum "
             f"{args.grad_accum} x {world_size} ranks = global batch {global_batch_size}; lr {lr:g}; "

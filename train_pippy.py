@@ -156,7 +156,7 @@ def main():
 
         # ---- resume: every rank loads its part of the newest checkpoint in --checkpoint-dir, if any ----
         checkpointer = checkpoint.Checkpointer(args, dataset, f"pipeline of {num_stages} stages", world_size, global_batch_size)
-        resumed = checkpointer.resume(model, optimizer, scheduler, log) or {"step": 0, "epoch": 0, "samples_into_epoch": 0}
+        resumed = checkpointer.resume(model, optimizer, scheduler, log)
         log(
             f"pipeline ({args.schedule}, {num_stages} stages: blocks {stage_blocks}) x {args.data_parallel} replica(s) on {world_size} "
             f"rank(s) ({backend}, {device.type}): batch {args.batch_size} per replica in {args.microbatches} microbatches x grad-accum "

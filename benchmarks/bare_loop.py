@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import BabyCNN, training  # noqa: E402
-from models.data import synthetic_digits  # noqa: E402
+import premade  # noqa: E402
+from models import BabyCNN  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=300)
@@ -23,13 +23,10 @@ parser.add_argument("--batch-size", type=int, default=64)
 parser.add_argument("--width", type=int, default=1)
 args = parser.parse_args()
 
-images, labels = synthetic_digits(args.steps * args.batch_size, seed=0)
-images = (images.float() / 255 - 0.13) / 0.3  # normalised once, up front: no data work in the loop
-batches = list(zip(images.split(args.batch_size), labels.split(args.batch_size)))
+batches = premade.batches(args.steps, args.batch_size, seed=0)  # no data work in the loop
 torch.manual_seed(0)
 model = BabyCNN(width=args.width)
-# The scripts' optimizer (AdamW, fused), from the same function, with the scripts' default flags.
-optimizer, _ = training.make_optimizer(training.parser("bare loop").parse_args([]), model.parameters(), lr=1e-3)
+optimizer = premade.optimizer(model.parameters())
 start = time.perf_counter()
 for x, y in batches:
     optimizer.zero_grad(set_to_none=True)

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def launch(command, timeout, copies=1):
-    """Run ``copies`` instances of a command at the same time; return their outputs."""
+    """Run ``copies`` instances of a command at the same time; return the list of their outputs."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("RANK", None)
     command = [str(c) for c in command]
@@ -41,7 +41,7 @@ def launch(command, timeout, copies=1):
         if process.returncode != 0:
             sys.exit(f"benchmark: {' '.join(command)} failed:\n{stderr[-2000:]}")
         outputs.append(stdout)
-    return outputs if copies > 1 else outputs[0]
+    return outputs
 
 
 class Bench:
@@ -72,7 +72,7 @@ class Bench:
                       + (f" on {ranks} processes" if ranks else ""))
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks else []
         outputs = launch([sys.executable, *launcher, ROOT / "benchmarks" / name, *flags], self.args.timeout, copies)
-        parsed = [json.loads(out.strip().splitlines()[-1]) for out in (outputs if copies > 1 else [outputs])]
+        parsed = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
         return parsed if copies > 1 else parsed[0]
 
 

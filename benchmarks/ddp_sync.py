@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import BabyCNN, training  # noqa: E402
-from models.data import synthetic_digits  # noqa: E402
+import premade  # noqa: E402
+from models import BabyCNN  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=300)
@@ -35,14 +35,13 @@ parser.add_argument("--batch-size", type=int, default=64)
 parser.add_argument("--warmup", type=int, default=20, help="first steps left out of the figures")
 args = parser.parse_args()
 
+
 def main():
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    images, labels = synthetic_digits(args.steps * args.batch_size, seed=rank)
-    images = (images.float() / 255 - 0.13) / 0.3
-    batches = list(zip(images.split(args.batch_size), labels.split(args.batch_size)))
+    batches = premade.batches(args.steps, args.batch_size, seed=rank)
     torch.manual_seed(0)
     model = DDP(BabyCNN())
-    optimizer, _ = training.make_optimizer(training.parser("ddp sync").parse_args([]), model.parameters(), lr=1e-3)
+    optimizer = premade.optimizer(model.parameters())
     last_gradient = [0.0]
     for parameter in model.parameters():  # registered after DDP's own hooks, so they run after them
         parameter.register_post_accumulate_grad_hook(lambda _: last_gradient.__setitem__(0, time.perf_counter()))

@@ -95,7 +95,8 @@ class Checkpointer:
         return sorted(names, key=lambda n: int(_NAME.match(n).group(1)))
 
     def resume(self, model, optimizer, scheduler, log):
-        """Load the newest checkpoint, if any. Returns its checkpoint.json (step, position) or None."""
+        """Load the newest checkpoint, if any. Returns where training continues: its checkpoint.json
+        (step, epoch, samples_into_epoch), or the start of training when there is none."""
         verdict = [None]
         if self.rank == 0:
             verdict[0] = self._read_newest()
@@ -104,7 +105,7 @@ class Checkpointer:
         if problem:
             raise UsageError(problem)
         if path is None:
-            return None
+            return {"step": 0, "epoch": 0, "samples_into_epoch": 0}
         model_state, optimizer_state = get_state_dict(model, optimizer)
         tensors = {"model": model_state, "optimizer": optimizer_state["state"]}
         same_world = info["layout"]["world_size"] == self.layout["world_size"]
