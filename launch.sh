@@ -6,10 +6,11 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 bash run_ddp.sh    # on node 0
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 bash run_ddp.sh    # on node 1
 #
-# NPROC_PER_NODE  processes on this node (default: the number of GPUs, or 2 without GPUs)
+# NPROC_PER_NODE  processes on this node (default: the GPUs torch sees, which honours
+#                 CUDA_VISIBLE_DEVICES; 2 without GPUs)
 # NNODES          number of nodes (default 1: torchrun --standalone)
 # NODE_RANK       this node's index, 0..NNODES-1; node 0 hosts the rendezvous (default 0)
-# MASTER_ADDR     node 0's address (default 127.0.0.1); MASTER_PORT its port (default 29500)
+# MASTER_ADDR     node 0's address (required with NNODES > 1); MASTER_PORT its port (default 29500)
 # RDZV_ID         the job's name in the rendezvous, the same on every node (default babycnn)
 # MAX_RESTARTS    times torchrun restarts all workers after one fails (default 0 on one node, 3 on
 #                 several); with --checkpoint-dir the restarted workers resume from the last checkpoint
@@ -19,16 +20,19 @@ set -euo pipefail
 script="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$1"
 shift
 
-if [ -z "${NPROC_PER_NODE:-}" ]; then
-    gpus=0
-    if command -v nvidia-smi >/dev/null 2>&1; then
-        gpus=$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU' || true)
-    fi
-    if [ "$gpus" -gt 0 ]; then NPROC_PER_NODE=$gpus; else NPROC_PER_NODE=2; fi
-fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
+    # A default of 127.0.0.1 would have every node wait for itself until the rendezvous times out.
+    echo "error: NNODES=$NNODES needs MASTER_ADDR, node 0's address, the same on every node" \
+        "(e.g. MASTER_ADDR=node0 MASTER_PORT=29500)" >&2
+    exit 2
+fi
+if [ -z "${NPROC_PER_NODE:-}" ]; then
+    # Count the GPUs torch will see: nvidia-smi lists every GPU, also those CUDA_VISIBLE_DEVICES hides.
+    gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+    if [ "$gpus" -gt 0 ]; then NPROC_PER_NODE=$gpus; else NPROC_PER_NODE=2; fi
+fi
 MASTER_PORT=${MASTER_PORT:-29500}
 if [ "$NNODES" -eq 1 ]; then MAX_RESTARTS=${MAX_RESTARTS:-0}; else MAX_RESTARTS=${MAX_RESTARTS:-3}; fi
 
@@ -53,6 +57,7 @@ if [ "$NNODES" -eq 1 ]; then
 fi
 # c10d rendezvous: every node meets at MASTER_ADDR:MASTER_PORT; node 0 hosts its store.
 is_host=$([ "$NODE_RANK" -eq 0 ] && echo 1 || echo 0)
-exec torchrun --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" \
+exec torchrun --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \
+    --max-restarts="$MAX_RESTARTS" \
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="${RDZV_ID:-babycnn}" \
     --rdzv-conf="is_host=$is_host" "$script" "$@"

@@ -37,7 +37,7 @@ def main():
     rank = int(os.environ.get("RANK", 0))  # global rank: decides who logs and writes files
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks the GPU
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if torch.cuda.is_available():
+    if training.use_cuda(args.device, local_rank):  # --device; one line if this node has too few GPUs
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -54,7 +54,8 @@ def main():
         training.check_output_paths(args)
 
         # ---- data: the whole split on the device; DistributedSampler picks this rank's share ----
-        dataset = data.load(args.dataset, args.data_dir, device, download=not args.no_download, log=log)
+        dataset = data.load(args.dataset, args.data_dir, device, local_rank, training.dtype(args),
+                            download=not args.no_download, log=log)
         # drop_last: each rank gets floor(N / world_size) samples, so all ranks run the same steps
         sampler = DistributedSampler(
             range(len(dataset.train)), num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
@@ -67,11 +68,12 @@ def main():
                 f"{len(sampler)} samples each of the {world_size} ranks gets from {dataset.name}; make it smaller"
             )
         global_batch_size = samples_per_step * world_size
-        total_steps = steps_per_epoch * args.epochs if not args.max_steps else min(args.max_steps, steps_per_epoch * args.epochs)
+        total_steps = min(args.max_steps or steps_per_epoch * args.epochs, steps_per_epoch * args.epochs)
 
         # ---- model: the same initial weights on every rank, from the seed ----
         torch.manual_seed(args.seed)
-        model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device=device)
+        model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device=device,
+                        dtype=training.dtype(args))
         param_count = sum(p.numel() for p in model.parameters())
 
         # ---- wrap: DDP keeps a full replica here and averages gradients across ranks ----
@@ -80,11 +82,13 @@ def main():
         optimizer, scheduler = training.make_optimizer(args, model.parameters(), lr)
 
         # ---- resume: every rank loads its part of the newest checkpoint in --checkpoint-dir, if any ----
-        checkpointer = checkpoint.Checkpointer(args, dataset, "data parallel (DDP or FSDP)", world_size, global_batch_size)
+        checkpointer = checkpoint.Checkpointer(args, dataset, "data parallel (DDP or FSDP)", world_size,
+                                               global_batch_size, device)
         resumed = checkpointer.resume(model, optimizer, scheduler, log)
         log(
-            f"DDP on {world_size} rank(s) ({backend}, {device.type}): batch {args.batch_size} per rank x grad-accum "
-            f"{args.grad_accum} x {world_size} ranks = global batch {global_batch_size}; lr {lr:g}; "
+            f"DDP on {world_size} rank(s) ({backend}, {device.type}): "
+            f"batch {args.batch_size} per rank x grad-accum {args.grad_accum} x {world_size} ranks = global batch "
+            f"{global_batch_size}; lr {lr:g}; "
             f"{param_count:,} parameters; {args.precision}; {dataset.name}; {total_steps} steps"
         )
 
@@ -155,7 +159,8 @@ def main():
                 "dataset": dataset.name,
                 "lr": lr,
             }
-            mine = {"rank": rank, "state_bytes": training.state_bytes(model, optimizer), "peak_memory_bytes": training.peak_memory_bytes(device)}
+            mine = {"rank": rank, "state_bytes": training.state_bytes(model, optimizer),
+                    "peak_memory_bytes": training.peak_memory_bytes(device)}
             training.write_metrics(args.metrics, summary, mine)
     finally:
         dist.destroy_process_group()

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
@@ -39,14 +39,15 @@ def main():
                         "backward); hybrid: HSDP, shard inside groups, replicate across them")
     parser.add_argument("--replicate-degree", type=int, default=None,
                         help="hybrid only: number of replica groups (default: one per node)")
-    parser.add_argument("--cpu-offload", action="store_true", help="keep shards and optimizer state in CPU memory (GPUs only)")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="keep shards and optimizer state in CPU memory (GPUs only)")
     args = parser.parse_args()
 
     # ---- setup: one process per device, all of them in one process group ----
     rank = int(os.environ.get("RANK", 0))  # global rank: decides who logs and writes files
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks the GPU
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if torch.cuda.is_available():
+    if training.use_cuda(args.device, local_rank):  # --device; one line if this node has too few GPUs
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -56,7 +57,7 @@ def main():
     timeout = timedelta(minutes=10)  # a collective that waits longer than this fails instead of hanging
     if "RANK" in os.environ:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
-    else:  # plain `python train_ddp.py`: a group of one, so every line below runs unchanged
+    else:  # plain `python train_fsdp.py`: a group of one, so every line below runs unchanged
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     try:
         log = tqdm.write if rank == 0 else lambda *_: None
@@ -65,17 +66,22 @@ def main():
         if args.sharding == "hybrid":
             replicas = args.replicate_degree or world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             if replicas < 1 or world_size % replicas:
-                raise training.UsageError(f"--replicate-degree {replicas} must be a positive divisor of the world size {world_size}")
-            mesh = init_device_mesh(device.type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
+                raise training.UsageError(
+                    f"--replicate-degree {replicas} must be a positive divisor of the world size {world_size}")
+            mesh = init_device_mesh(device.type, (replicas, world_size // replicas),
+                                    mesh_dim_names=("replicate", "shard"))
         elif args.replicate_degree is not None:
-            raise training.UsageError(f"--replicate-degree applies to --sharding hybrid only, not --sharding {args.sharding}")
+            raise training.UsageError(
+                f"--replicate-degree applies to --sharding hybrid only, not --sharding {args.sharding}")
         else:
             mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
         if args.cpu_offload and device.type != "cuda":
-            raise training.UsageError("--cpu-offload needs GPUs: it keeps shards in CPU memory for GPU compute, and here everything is on the CPU already")
+            raise training.UsageError("--cpu-offload needs GPUs: it keeps shards in CPU memory for GPU compute, "
+                                      "and here everything is on the CPU already")
 
         # ---- data: the whole split on the device; DistributedSampler picks this rank's share ----
-        dataset = data.load(args.dataset, args.data_dir, device, download=not args.no_download, log=log)
+        dataset = data.load(args.dataset, args.data_dir, device, local_rank, training.dtype(args),
+                            download=not args.no_download, log=log)
         # drop_last: each rank gets floor(N / world_size) samples, so all ranks run the same steps
         sampler = DistributedSampler(
             range(len(dataset.train)), num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
@@ -88,17 +94,20 @@ def main():
                 f"{len(sampler)} samples each of the {world_size} ranks gets from {dataset.name}; make it smaller"
             )
         global_batch_size = samples_per_step * world_size
-        total_steps = steps_per_epoch * args.epochs if not args.max_steps else min(args.max_steps, steps_per_epoch * args.epochs)
+        total_steps = min(args.max_steps or steps_per_epoch * args.epochs, steps_per_epoch * args.epochs)
 
         # ---- model: on the meta device, so the whole model never exists on one rank ----
         torch.manual_seed(args.seed)
-        model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device="meta")
+        model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device="meta",
+                        dtype=training.dtype(args))
         param_count = sum(p.numel() for p in model.parameters())
 
         # ---- wrap: shard each block (one all-gather unit each), then the root ----
         fsdp_options = dict(
             mesh=mesh,
-            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            # bf16: gather and compute in bf16, reduce gradients in fp32, hand fp32 logits to the loss
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                           output_dtype=torch.float32)
             if args.precision == "bf16" else MixedPrecisionPolicy(),
             offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy(),
         )
@@ -116,11 +125,13 @@ def main():
         optimizer, scheduler = training.make_optimizer(args, model.parameters(), lr)
 
         # ---- resume: every rank loads its part of the newest checkpoint in --checkpoint-dir, if any ----
-        checkpointer = checkpoint.Checkpointer(args, dataset, "data parallel (DDP or FSDP)", world_size, global_batch_size)
+        checkpointer = checkpoint.Checkpointer(args, dataset, "data parallel (DDP or FSDP)", world_size,
+                                               global_batch_size, device)
         resumed = checkpointer.resume(model, optimizer, scheduler, log)
         log(
-            f"FSDP ({args.sharding}, mesh {tuple(mesh.shape)}) on {world_size} rank(s) ({backend}, {device.type}): batch {args.batch_size} per rank x grad-accum "
-            f"{args.grad_accum} x {world_size} ranks = global batch {global_batch_size}; lr {lr:g}; "
+            f"FSDP ({args.sharding}, mesh {tuple(mesh.shape)}) on {world_size} rank(s) ({backend}, {device.type}): "
+            f"batch {args.batch_size} per rank x grad-accum {args.grad_accum} x {world_size} ranks = global batch "
+            f"{global_batch_size}; lr {lr:g}; "
             f"{param_count:,} parameters; {args.precision}; {dataset.name}; {total_steps} steps"
         )
 
@@ -144,7 +155,7 @@ def main():
                     # Keep unsharded gradients local; the last micro-step's backward reduce-scatters their sum
                     last_micro_step = micro_step == args.grad_accum - 1
                     model.set_requires_gradient_sync(last_micro_step)
-                    loss = F.cross_entropy(model(images).float(), labels)  # bf16 logits under the policy: loss in fp32
+                    loss = F.cross_entropy(model(images), labels)
                     (loss / args.grad_accum).backward()  # the step's gradient is the mean over micro-steps
                     window_loss += loss.detach()
                     window_count += 1
@@ -166,7 +177,9 @@ def main():
                 continue
             model.eval()
             test_loss, test_accuracy = data.evaluate(model, dataset.test, rank, world_size)
-            model.blocks[last_block].reshard()  # no backward follows this forward to free the last block's gathered weights
+            for module in model.modules():  # no backward follows these forwards to free what they gathered
+                if isinstance(module, FSDPModule):  # (the last block; every block with grad-op)
+                    module.reshard()
             log(
                 f"epoch {epoch + 1}: step {progress.step}, train loss {progress.final_train_loss:.4f} (all ranks), "
                 f"test loss {test_loss:.4f}, test accuracy {test_accuracy:.2%}"
@@ -194,7 +207,8 @@ def main():
                 "dataset": dataset.name,
                 "lr": lr,
             }
-            mine = {"rank": rank, "state_bytes": training.state_bytes(model, optimizer), "peak_memory_bytes": training.peak_memory_bytes(device)}
+            mine = {"rank": rank, "state_bytes": training.state_bytes(model, optimizer),
+                    "peak_memory_bytes": training.peak_memory_bytes(device)}
             training.write_metrics(args.metrics, summary, mine)
     finally:
         dist.destroy_process_group()

@@ -9,7 +9,7 @@ Through the wrapper: `bash run_pippy.sh [flags]`; for two nodes, on each node,
 `NNODES=2 NODE_RANK=0|1 MASTER_ADDR=node0 MASTER_PORT=29500 bash run_pippy.sh [flags]`.
 
 What pipeline parallelism changes compared with train_ddp.py:
-  setup  a device mesh: data-parallel replicas x pipeline stages (--data-parallel D)
+  setup  a device mesh: pipeline ranks x data-parallel replicas (--data-parallel D)
   model  only this rank's blocks are built (the rest of BabyCNN becomes nn.Identity), on meta,
          then materialised and initialised
   wrap   each local stage becomes a PipelineStage; a schedule (GPipe, 1F1B, interleaved, ...) runs
@@ -54,14 +54,15 @@ def main():
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches each --batch-size is split into")
     parser.add_argument("--stages-per-rank", type=int, default=None,
                         help="stages on each rank (default: 1 for gpipe and 1f1b, 2 for the others)")
-    parser.add_argument("--data-parallel", type=int, default=1, help="D pipeline replicas; world size = D x pipeline ranks")
+    parser.add_argument("--data-parallel", type=int, default=1,
+                        help="D pipeline replicas; world size = D x pipeline ranks")
     args = parser.parse_args()
 
     # ---- setup: one process per device, all of them in one process group ----
     rank = int(os.environ.get("RANK", 0))  # global rank: decides who logs and writes files
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks the GPU
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if torch.cuda.is_available():
+    if training.use_cuda(args.device, local_rank):  # --device; one line if this node has too few GPUs
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -71,24 +72,30 @@ def main():
     timeout = timedelta(minutes=10)  # a collective that waits longer than this fails instead of hanging
     if "RANK" in os.environ:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
-    else:  # plain `python train_ddp.py`: a group of one, so every line below runs unchanged
+    else:  # plain `python train_pippy.py`: a group of one, so every line below runs unchanged
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     try:
         log = tqdm.write if rank == 0 else lambda *_: None
         training.check_output_paths(args)
-        # The device mesh: D replicas (rows) of a pipeline over world_size / D ranks (columns).
+        # The device mesh: world_size / D pipeline ranks (rows), each with D replicas (columns). Pipeline
+        # outermost, as in torchtitan: a stage's D replicas are neighbouring ranks, so on one node where
+        # they fit, and the data-parallel all-reduce (every gradient, every step) stays on the fast links;
+        # only activations, between neighbouring stages, cross nodes.
         if args.data_parallel < 1 or world_size % args.data_parallel:
-            raise training.UsageError(f"--data-parallel {args.data_parallel} must be a positive divisor of the world size {world_size}")
+            raise training.UsageError(
+                f"--data-parallel {args.data_parallel} must be a positive divisor of the world size {world_size}")
         pipeline_ranks = world_size // args.data_parallel
-        mesh = init_device_mesh(device.type, (args.data_parallel, pipeline_ranks), mesh_dim_names=("dp", "pp"))
+        mesh = init_device_mesh(device.type, (pipeline_ranks, args.data_parallel), mesh_dim_names=("pp", "dp"))
         dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
         schedule_class, stages_kind = SCHEDULES[args.schedule]
         stages_per_rank = args.stages_per_rank or (1 if stages_kind == "one" else 2)
         num_stages = pipeline_ranks * stages_per_rank
         if stages_kind == "one" and stages_per_rank != 1:
-            raise training.UsageError(f"--schedule {args.schedule} runs one stage per rank; for --stages-per-rank {stages_per_rank} use interleaved-1f1b or looped-bfs")
+            raise training.UsageError(f"--schedule {args.schedule} runs one stage per rank; for --stages-per-rank "
+                                      f"{stages_per_rank} use interleaved-1f1b or looped-bfs")
         if (stages_kind != "one" and stages_per_rank < 2) or (stages_kind == "two, in a V" and stages_per_rank != 2):
-            raise training.UsageError(f"--schedule {args.schedule} runs {stages_kind} stages per rank, not --stages-per-rank {stages_per_rank}")
+            raise training.UsageError(f"--schedule {args.schedule} runs {stages_kind} stages per rank, "
+                                      f"not --stages-per-rank {stages_per_rank}")
         check_microbatches(args, num_stages, pipeline_ranks)
         if args.schedule == "zbv" and not args.no_eval:
             raise training.UsageError(
@@ -98,31 +105,37 @@ def main():
         if args.data_parallel > 1 and args.schedule != "1f1b":
             # Seen on torch 2.14: with DDP inside the stages, gpipe and the multi-stage schedules fail in
             # DDP's reducer (its bucket rebuild expects one forward per backward); 1f1b trains exactly.
-            raise training.UsageError(f"--data-parallel {args.data_parallel} wraps each stage in DDP, which runs with --schedule 1f1b only, not {args.schedule}")
+            raise training.UsageError(f"--data-parallel {args.data_parallel} wraps each stage in DDP, which runs with "
+                                      f"--schedule 1f1b only, not {args.schedule}")
 
-        # ---- data: the whole split on the device; DistributedSampler picks this rank's share ----
-        dataset = data.load(args.dataset, args.data_dir, device, download=not args.no_download, log=log)
-        # drop_last: each rank gets floor(N / world_size) samples, so all ranks run the same steps
+        # ---- data: the whole split on the device; DistributedSampler picks this replica's share ----
+        dataset = data.load(args.dataset, args.data_dir, device, local_rank, training.dtype(args),
+                            download=not args.no_download, log=log)
         # Data parallelism is across replicas: every stage of replica d walks the same shard d.
+        # drop_last: each replica gets floor(N / D) samples, so all replicas run the same steps
         sampler = DistributedSampler(
-            range(len(dataset.train)), num_replicas=args.data_parallel, rank=dp_rank, shuffle=True, seed=args.seed, drop_last=True
+            range(len(dataset.train)), num_replicas=args.data_parallel, rank=dp_rank, shuffle=True, seed=args.seed,
+            drop_last=True
         )
-        samples_per_step = args.batch_size * args.grad_accum  # per rank, per optimizer step
+        samples_per_step = args.batch_size * args.grad_accum  # per replica, per optimizer step
         steps_per_epoch = len(sampler) // samples_per_step
         if steps_per_epoch == 0:
             raise training.UsageError(
                 f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} is more than the "
-                f"{len(sampler)} samples each of the {args.data_parallel} replicas gets from {dataset.name}; make it smaller"
+                f"{len(sampler)} samples each of the {args.data_parallel} replicas gets from {dataset.name}; "
+                "make it smaller"
             )
         global_batch_size = samples_per_step * args.data_parallel
-        total_steps = steps_per_epoch * args.epochs if not args.max_steps else min(args.max_steps, steps_per_epoch * args.epochs)
+        total_steps = min(args.max_steps or steps_per_epoch * args.epochs, steps_per_epoch * args.epochs)
 
         # ---- model: this rank's blocks only (the others become nn.Identity), on meta, then initialised ----
         torch.manual_seed(args.seed)
-        model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device="meta")
+        model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device="meta",
+                        dtype=training.dtype(args))
         param_count = sum(p.numel() for p in model.parameters())
         if num_stages > len(model.blocks):
-            raise training.UsageError(f"{pipeline_ranks} pipeline ranks x {stages_per_rank} stages per rank = {num_stages} stages, but BabyCNN has only {len(model.blocks)} blocks")
+            raise training.UsageError(f"{pipeline_ranks} pipeline ranks x {stages_per_rank} stages per rank = "
+                                      f"{num_stages} stages, but BabyCNN has only {len(model.blocks)} blocks")
         stage_blocks = model.stage_blocks(num_stages)  # contiguous blocks per stage, balanced by compute
         # Loop placement puts stage s on rank s % ranks; the V (zbv) gives rank r stages r and 2 x ranks - 1 - r.
         if args.schedule == "zbv":
@@ -132,7 +145,8 @@ def main():
         local_blocks = [block for stage_index in stage_indices for block in stage_blocks[stage_index]]
         for block_index in range(len(model.blocks)):
             if block_index not in local_blocks:
-                model.blocks[block_index] = nn.Identity()  # parameter names stay the whole model's: blocks.2.conv1.weight
+                # Parameter names stay the whole model's (blocks.2.conv1.weight): checkpoints and saves line up.
+                model.blocks[block_index] = nn.Identity()
         model.to_empty(device=device)
         model.reset_parameters()  # row-seeded: the values the whole model gets on one process
 
@@ -140,27 +154,36 @@ def main():
         pp_group = mesh.get_group("pp")
         stages = []
         for stage_index in stage_indices:
-            stage_model = nn.Sequential(*(model.blocks[block] for block in stage_blocks[stage_index]))  # shares model's blocks
+            # Shares model's blocks: the optimizer and the checkpoints see the same parameters.
+            stage_model = nn.Sequential(*(model.blocks[block] for block in stage_blocks[stage_index]))
             if args.data_parallel > 1:  # average each stage's gradients with the same stage of the other replicas
-                stage_model = DDP(stage_model, process_group=mesh.get_group("dp"), device_ids=[local_rank] if device.type == "cuda" else None)
+                stage_model = DDP(stage_model, process_group=mesh.get_group("dp"),
+                                  device_ids=[local_rank] if device.type == "cuda" else None)
             stages.append(PipelineStage(stage_model, stage_index, num_stages, device, group=pp_group))
         has_first_stage, has_last_stage = 0 in stage_indices, num_stages - 1 in stage_indices
 
         def loss_fn(logits, labels):  # runs on the last stage, once per microbatch
-            return F.cross_entropy(logits.float(), labels) / args.grad_accum
+            # Each microbatch's mean loss, divided by the microbatches and the micro-steps: the summed
+            # gradients are then the mean over the whole step, as in train_ddp.py.
+            return F.cross_entropy(logits, labels) / (args.microbatches * args.grad_accum)
 
-        # Each microbatch's loss is a mean; the schedule divides the gradients by the microbatch count.
-        schedule = schedule_class(stages[0] if stages_kind == "one" else stages, n_microbatches=args.microbatches, loss_fn=loss_fn)
+        # scale_grads=False: we scale the loss instead. The schedule's own scaling (its default) divides
+        # the whole .grad by the microbatch count at the end of every step(), so with --grad-accum it
+        # would shrink the earlier micro-steps' gradients again at each later one.
+        schedule = schedule_class(stages[0] if stages_kind == "one" else stages, n_microbatches=args.microbatches,
+                                  loss_fn=loss_fn, scale_grads=False)
         lr = training.learning_rate(args, global_batch_size)
         optimizer, scheduler = training.make_optimizer(args, model.parameters(), lr)
 
         # ---- resume: every rank loads its part of the newest checkpoint in --checkpoint-dir, if any ----
-        checkpointer = checkpoint.Checkpointer(args, dataset, f"pipeline of {num_stages} stages", world_size, global_batch_size)
+        checkpointer = checkpoint.Checkpointer(args, dataset, f"pipeline of {num_stages} stages", world_size,
+                                               global_batch_size, device)
         resumed = checkpointer.resume(model, optimizer, scheduler, log)
         log(
-            f"pipeline ({args.schedule}, {num_stages} stages: blocks {stage_blocks}) x {args.data_parallel} replica(s) on {world_size} "
-            f"rank(s) ({backend}, {device.type}): batch {args.batch_size} per replica in {args.microbatches} microbatches x grad-accum "
-            f"{args.grad_accum} x {args.data_parallel} replicas = global batch {global_batch_size}; lr {lr:g}; "
+            f"pipeline ({args.schedule}, {num_stages} stages: blocks {stage_blocks}) x {args.data_parallel} replica(s) "
+            f"on {world_size} rank(s) ({backend}, {device.type}): batch {args.batch_size} per replica in "
+            f"{args.microbatches} microbatches x grad-accum {args.grad_accum} x {args.data_parallel} replicas = global "
+            f"batch {global_batch_size}; lr {lr:g}; "
             f"{param_count:,} parameters; {args.precision}; {dataset.name}; {total_steps} steps"
         )
 
@@ -171,7 +194,7 @@ def main():
         first_epoch, first_step_in_epoch = resumed["epoch"], resumed["samples_into_epoch"] // global_batch_size
         for epoch in range(first_epoch, -(-total_steps // steps_per_epoch)):
             sampler.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
-            order = torch.tensor(list(sampler), device=device)  # this rank's shard of the epoch
+            order = torch.tensor(list(sampler), device=device)  # this replica's shard of the epoch
             model.train()
             progress.start_epoch()
             first = first_step_in_epoch if epoch == first_epoch else 0
@@ -186,8 +209,8 @@ def main():
                     with training.autocast(args, device):
                         schedule.step(*([images] if has_first_stage else []), target=labels if has_last_stage else None,
                                       losses=losses if has_last_stage else None)
-                    if has_last_stage:  # the batch's mean loss (loss_fn divided it by grad_accum)
-                        window_loss += torch.stack(losses).detach().sum() * args.grad_accum / args.microbatches
+                    if has_last_stage:  # the micro-step's mean loss (loss_fn divided it by microbatches x grad_accum)
+                        window_loss += torch.stack(losses).detach().sum() * args.grad_accum
                     window_count += 1
                 optimizer.step()
                 scheduler.step()
@@ -202,18 +225,20 @@ def main():
                     checkpointer.save(progress.step, position, model, optimizer, scheduler)
             progress.end_epoch()
 
-            # ---- evaluate: each rank scores a slice of the test set; the counts are all-reduced ----
+            # ---- evaluate: each replica scores a slice of the test set; the counts are all-reduced ----
             if args.no_eval:
                 continue
             model.eval()
 
             def pipeline_forward(images, labels):  # forward only, through every stage: logits on the last one
-                logits = schedule.eval(*([images] if has_first_stage else []), target=labels if has_last_stage else None)
+                logits = schedule.eval(*([images] if has_first_stage else []),
+                                       target=labels if has_last_stage else None)
                 return logits if has_last_stage else None
 
             with training.autocast(args, device):
                 test_loss, test_accuracy = data.evaluate(
-                    pipeline_forward, dataset.test, dp_rank, args.data_parallel, batch_size=args.batch_size, pipeline=True
+                    pipeline_forward, dataset.test, dp_rank, args.data_parallel, batch_size=args.batch_size,
+                    pipeline=True,
                 )
             log(
                 f"epoch {epoch + 1}: step {progress.step}, train loss {progress.final_train_loss:.4f} (last stage), "
@@ -246,7 +271,9 @@ def main():
                 "dataset": dataset.name,
                 "lr": lr,
             }
-            mine = {"rank": rank, "stages": stage_indices, "blocks": [stage_blocks[i] for i in stage_indices], "state_bytes": training.state_bytes(model, optimizer), "peak_memory_bytes": training.peak_memory_bytes(device)}
+            mine = {"rank": rank, "stages": stage_indices, "blocks": [stage_blocks[i] for i in stage_indices],
+                    "state_bytes": training.state_bytes(model, optimizer),
+                    "peak_memory_bytes": training.peak_memory_bytes(device)}
             training.write_metrics(args.metrics, summary, mine)
     finally:
         dist.destroy_process_group()
@@ -255,9 +282,11 @@ def main():
 def check_microbatches(args, num_stages, pipeline_ranks):
     """Refuse, before any communication, the layouts whose schedules would fail or hang."""
     if args.microbatches < 1 or args.batch_size % args.microbatches:
-        raise training.UsageError(f"--batch-size {args.batch_size} does not split into --microbatches {args.microbatches} equal microbatches")
+        raise training.UsageError(
+            f"--batch-size {args.batch_size} does not split into --microbatches {args.microbatches} equal microbatches")
     if args.schedule == "1f1b" and args.microbatches < num_stages:
-        raise training.UsageError(f"--schedule 1f1b needs at least as many microbatches as stages ({num_stages}), got --microbatches {args.microbatches}")
+        raise training.UsageError(f"--schedule 1f1b needs at least as many microbatches as stages ({num_stages}), "
+                                  f"got --microbatches {args.microbatches}")
     if args.schedule in ("interleaved-1f1b", "interleaved-zb"):
         rounds = max(1, args.microbatches // pipeline_ranks)
         if args.microbatches % rounds:
@@ -266,7 +295,8 @@ def check_microbatches(args, num_stages, pipeline_ranks):
                 f"--microbatches {args.microbatches} is not a multiple of its {rounds} rounds"
             )
     if args.schedule == "zbv" and args.microbatches < num_stages:
-        raise training.UsageError(f"--schedule zbv needs at least as many microbatches as stages ({num_stages}), got --microbatches {args.microbatches}")
+        raise training.UsageError(f"--schedule zbv needs at least as many microbatches as stages ({num_stages}), "
+                                  f"got --microbatches {args.microbatches}")
 
 
 if __name__ == "__main__":

@@ -26,10 +26,10 @@ from torch.distributed.tensor import DTensor, Shard
 class ConvBlock(nn.Module):
     """Two 3x3 convolutions with ReLU, optionally followed by a 2x2 max-pool."""
 
-    def __init__(self, in_channels, out_channels, pool, device=None):
+    def __init__(self, in_channels, out_channels, pool, device=None, dtype=None):
         super().__init__()
-        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, padding=1, device=device)
-        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, device=device)
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, padding=1, device=device, dtype=dtype)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, device=device, dtype=dtype)
         self.pool = nn.MaxPool2d(2) if pool else nn.Identity()
 
     def forward(self, x):
@@ -41,10 +41,10 @@ class ConvBlock(nn.Module):
 class Head(nn.Module):
     """A last 3x3 convolution, then a linear classifier over the flattened feature map."""
 
-    def __init__(self, channels, feature_size, num_classes, device=None):
+    def __init__(self, channels, feature_size, num_classes, device=None, dtype=None):
         super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, padding=1, device=device)
-        self.fc = nn.Linear(channels * feature_size * feature_size, num_classes, device=device)
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, device=device, dtype=dtype)
+        self.fc = nn.Linear(channels * feature_size * feature_size, num_classes, device=device, dtype=dtype)
 
     def forward(self, x):
         x = torch.relu(self.conv(x))
@@ -59,7 +59,7 @@ class BabyCNN(nn.Module):
     channels, so parameters and compute grow with its square.
     """
 
-    def __init__(self, in_channels=1, num_classes=10, image_size=28, width=1, device=None):
+    def __init__(self, in_channels=1, num_classes=10, image_size=28, width=1, device=None, dtype=None):
         super().__init__()
         if width < 1 or image_size < 4:
             raise ValueError(f"BabyCNN needs width >= 1 and image_size >= 4, got {width} and {image_size}")
@@ -67,10 +67,10 @@ class BabyCNN(nn.Module):
         feature_size = image_size // 4  # two 2x2 pools
         self.config = dict(in_channels=in_channels, num_classes=num_classes, image_size=image_size, width=width)
         self.blocks = nn.Sequential(
-            ConvBlock(in_channels, c, pool=True, device=device),
-            ConvBlock(c, 2 * c, pool=True, device=device),
-            ConvBlock(2 * c, 4 * c, pool=False, device=device),
-            Head(4 * c, feature_size, num_classes, device=device),
+            ConvBlock(in_channels, c, pool=True, device=device, dtype=dtype),
+            ConvBlock(c, 2 * c, pool=True, device=device, dtype=dtype),
+            ConvBlock(2 * c, 4 * c, pool=False, device=device, dtype=dtype),
+            Head(4 * c, feature_size, num_classes, device=device, dtype=dtype),
         )
         if torch.device(device or "cpu").type != "meta":  # on meta, the caller initialises after to_empty
             self.reset_parameters()
@@ -102,7 +102,8 @@ class BabyCNN(nn.Module):
         """
         costs = self.block_costs()
         if not 1 <= num_stages <= len(costs):
-            raise ValueError(f"BabyCNN has {len(costs)} blocks, so it splits into 1 to {len(costs)} stages, not {num_stages}")
+            raise ValueError(
+                f"BabyCNN has {len(costs)} blocks, so it splits into 1 to {len(costs)} stages, not {num_stages}")
         best = None
 
         def search(start, stages_left, groups):
@@ -143,7 +144,10 @@ def _local_rows(param):
 
 @torch.no_grad()
 def init_block(block, block_index):
-    """He-uniform for convolutions (they feed a ReLU), LeCun-uniform for the classifier, zero biases."""
+    """He-uniform for convolutions (they feed a ReLU), LeCun-uniform for the classifier, zero biases.
+
+    Values are drawn in float32 whatever the parameter's dtype, so a float64 model starts from
+    exactly the float32 model's weights."""
     base_seed = torch.initial_seed()
     for name, param in block.named_parameters():
         local, first_row = _local_rows(param)

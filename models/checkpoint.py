@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from models.training import UsageError
 
-FORMAT = 1
+FORMAT = 2  # 2: random states per generator (the CPU, and the GPU where one trains)
 _NAME = re.compile(r"^step-(\d+)$")
 
 
@@ -43,10 +43,13 @@ class Checkpointer:
     naming the file. World size and global batch may change.
     """
 
-    def __init__(self, args, dataset, parallelism, world_size, global_batch_size):
+    def __init__(self, args, dataset, parallelism, world_size, global_batch_size, device):
         self.directory, self.every, self.keep = args.checkpoint_dir, args.checkpoint_every, args.keep_checkpoints
-        model = dict(in_channels=dataset.in_channels, num_classes=dataset.num_classes, image_size=dataset.image_size, width=args.width)
-        self.layout = {"model": model, "parallelism": parallelism, "world_size": world_size, "global_batch_size": global_batch_size}
+        self.device = device
+        model = dict(in_channels=dataset.in_channels, num_classes=dataset.num_classes, image_size=dataset.image_size,
+                     width=args.width)
+        self.layout = {"model": model, "parallelism": parallelism, "world_size": world_size,
+                       "global_batch_size": global_batch_size}
         self.rank = dist.get_rank()
 
     # ---- saving ----------------------------------------------------------------------------
@@ -63,7 +66,8 @@ class Checkpointer:
             os.makedirs(temporary)
         dist.barrier()
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        tensors = {"model": model_state, "optimizer": optimizer_state["state"], "rng": {f"rank{self.rank}": torch.get_rng_state()}}
+        tensors = {"model": model_state, "optimizer": optimizer_state["state"],
+                   "rng": {f"rank{self.rank}": self._random_states()}}
         dcp.save(tensors, checkpoint_id=temporary)  # returns once every rank's files and .metadata exist
         if self.rank == 0:
             info = {
@@ -72,8 +76,10 @@ class Checkpointer:
                 "step": step,
                 **position,
                 # Hyperparameters only: which parameters a group holds differs by rank (pipeline stages).
-                "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer_state["param_groups"]],
+                "param_groups": [{k: v for k, v in group.items() if k != "params"}
+                                 for group in optimizer_state["param_groups"]],
                 "scheduler": scheduler.state_dict(),
+                "random_states": sorted(self._random_states()),
             }
             with open(os.path.join(temporary, "checkpoint.json"), "w") as file:
                 json.dump(info, file, indent=2)
@@ -84,6 +90,18 @@ class Checkpointer:
             for old in self._complete()[: -self.keep]:
                 shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
         dist.barrier()  # nobody starts the next save (or exits) before this one is in place
+
+    def _random_states(self):
+        """This rank's generators: the CPU's, and its GPU's when it trains on one (dropout, sampling)."""
+        states = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            states["cuda"] = torch.cuda.get_rng_state(self.device)
+        return states
+
+    def _set_random_states(self, states):
+        torch.set_rng_state(states["cpu"])
+        if "cuda" in states:
+            torch.cuda.set_rng_state(states["cuda"], self.device)
 
     # ---- loading ---------------------------------------------------------------------------
 
@@ -109,20 +127,26 @@ class Checkpointer:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         tensors = {"model": model_state, "optimizer": optimizer_state["state"]}
         same_world = info["layout"]["world_size"] == self.layout["world_size"]
-        if same_world:  # random states are per rank: only meaningful at the same world size
-            tensors["rng"] = {f"rank{self.rank}": torch.get_rng_state()}
+        # Random states are per rank, so only meaningful at the same world size; and only the
+        # generators both runs use (a checkpoint saved on CPUs has no GPU state).
+        states = {kind: state for kind, state in self._random_states().items() if kind in info["random_states"]}
+        if same_world:
+            tensors["rng"] = {f"rank{self.rank}": states}
         try:
             dcp.load(tensors, checkpoint_id=path)
         except (Exception, CheckpointException) as error:  # DCP raises the same CheckpointException on every rank
             failures = getattr(error, "failures", None)  # {rank: (exception, traceback)}: keep the first cause
             cause = next(iter(failures.values()))[0] if failures else error
             reason = " ".join(str(cause).split())[:160]
-            raise UsageError(f"checkpoint {path} is unreadable ({type(cause).__name__}: {reason}); delete it to resume from an older one") from None
-        groups = [{**saved, "params": mine["params"]} for saved, mine in zip(info["param_groups"], optimizer_state["param_groups"])]
-        set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict={"state": tensors["optimizer"], "param_groups": groups})
+            raise UsageError(f"checkpoint {path} is unreadable ({type(cause).__name__}: {reason}); "
+                             "delete it to resume from an older one") from None
+        groups = [{**saved, "params": mine["params"]}
+                  for saved, mine in zip(info["param_groups"], optimizer_state["param_groups"])]
+        set_state_dict(model, optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict={"state": tensors["optimizer"], "param_groups": groups})
         scheduler.load_state_dict(info["scheduler"])
         if same_world:
-            torch.set_rng_state(tensors["rng"][f"rank{self.rank}"])
+            self._set_random_states(tensors["rng"][f"rank{self.rank}"])
         log(f"resumed from {path} (step {info['step']}, epoch {info['epoch'] + 1})")
         return info
 
@@ -138,13 +162,15 @@ class Checkpointer:
                 info = json.load(file)
             saved = info["layout"]
         except (OSError, ValueError, KeyError, TypeError) as error:
-            return None, None, f"checkpoint {manifest} is unreadable ({error}); delete {path} to resume from an older one"
+            return None, None, (f"checkpoint {manifest} is unreadable ({error}); "
+                                f"delete {path} to resume from an older one")
         if info.get("format") != FORMAT:
             return None, None, f"checkpoint {manifest} has format {info.get('format')}, this code reads format {FORMAT}"
         for key in ("model", "parallelism"):
             if saved.get(key) != self.layout.get(key):
                 return None, None, (
-                    f"checkpoint {manifest} was saved with {key} {saved.get(key)}, this run has {key} {self.layout.get(key)}; "
+                    f"checkpoint {manifest} was saved with {key} {saved.get(key)}, "
+                    f"this run has {key} {self.layout.get(key)}; "
                     f"use another --checkpoint-dir or the same {key}"
                 )
         return path, info, None

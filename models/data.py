@@ -6,14 +6,16 @@ workers, no per-sample Python or PIL on the hot path. Which indices a rank uses 
 training script with ``torch.utils.data.DistributedSampler``, so the sharding stays visible there.
 
 Datasets: ``mnist``, ``fashion-mnist`` and ``cifar10`` through torchvision (downloaded into
-``--data-dir`` by rank 0 while the other ranks wait), and ``synthetic``: an offline, deterministic,
-learnable 10-class set of digit glyphs drawn from a small built-in bitmap font. ``auto`` takes MNIST
-when it is on disk or can be downloaded, else the synthetic set.
+``--data-dir`` by each node's local rank 0 while the node's other ranks wait), and ``synthetic``:
+an offline, deterministic, learnable 10-class set of digit glyphs drawn from a small built-in bitmap
+font. ``auto`` takes MNIST when it is on disk or can be downloaded, else the synthetic set.
 """
 
 import math
 import os
 import socket
+import struct
+import textwrap
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 DATASETS = ("auto", "synthetic", "mnist", "fashion-mnist", "cifar10")
+NUM_CLASSES = 10  # every one of them: ten digits, ten garments, ten CIFAR classes
 DOWNLOAD_TIMEOUT_SECONDS = 5
 
 
@@ -32,15 +35,15 @@ class DataError(Exception):
 class Split:
     images: torch.Tensor  # uint8 (N, C, H, W) on the training device
     labels: torch.Tensor  # int64 (N,) on the training device
-    scale: torch.Tensor  # (1, C, 1, 1): 1 / (255 * std)
+    scale: torch.Tensor  # (1, C, 1, 1): 1 / (255 * std), in the dtype of the model's inputs
     shift: torch.Tensor  # (1, C, 1, 1): -mean / std
 
     def __len__(self):
         return self.labels.shape[0]
 
     def batch(self, indices):
-        """Normalised float images and labels for ``indices`` (a tensor on the same device)."""
-        return self.images[indices].float() * self.scale + self.shift, self.labels[indices]
+        """Normalised images (in ``scale``'s dtype) and labels for ``indices`` (a tensor on the same device)."""
+        return self.images[indices].to(self.scale.dtype) * self.scale + self.shift, self.labels[indices]
 
 
 @dataclass
@@ -59,95 +62,178 @@ class ImageData:
         return self.train.images.shape[2]
 
 
-def load(name, data_dir, device, download=True, log=print):
-    """Load ``name`` onto ``device`` on every rank. ``log`` is called on rank 0 only.
+def load(name, data_dir, device, local_rank, dtype=torch.float32, download=True, log=print):
+    """Load ``name`` onto ``device`` on every rank, as ``dtype`` batches. ``log`` is called on rank 0 only.
 
-    Rank 0 does every download and decides what ``auto`` means; the other ranks wait for its
-    answer (a broadcast), so they never race on the files and all of them fail or fall back together.
+    Nodes need not share a filesystem: each node's local rank 0 checks (and, if allowed, downloads)
+    the files in its own ``data_dir`` while the node's other ranks wait. Then every rank sees every
+    node's answer (an all-gather), so all of them train on the same dataset, ``auto`` included, or
+    all of them stop together with one line that names the node lacking the files.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    answer = [None]
-    if rank == 0:
-        answer[0] = _resolve(name, data_dir, download, log)
+    # Rank 0's node goes first: where the nodes share storage, the others then find the files and
+    # download nothing, so no two processes ever write the same files.
+    mine = _check_node(name, data_dir, download) if rank == 0 else None
+    answers = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(answer, src=0)
-    resolved, error = answer[0]
-    if error:
-        raise DataError(error)
+        dist.barrier()
+        if local_rank == 0 and rank != 0:
+            mine = _check_node(name, data_dir, download)
+        answers = [None] * dist.get_world_size()
+        dist.all_gather_object(answers, mine)  # also a barrier: nobody reads before its node has the files
+    nodes = [answer for answer in answers if answer is not None]
+    resolved = _agree(name, nodes, log)
     if resolved == "synthetic":
         (train_x, train_y), (test_x, test_y) = synthetic_digits(60_000, seed=0), synthetic_digits(10_000, seed=1)
     else:
-        (train_x, train_y), (test_x, test_y) = (_read_torchvision(resolved, data_dir, train) for train in (True, False))
+        (train_x, train_y), (test_x, test_y) = (_read(resolved, data_dir, train) for train in (True, False))
     # Normalise with the training split's own statistics, computed once on the device.
     train_x, test_x = train_x.to(device), test_x.to(device)
     pixels = train_x.float().div_(255).transpose(0, 1).flatten(1)
     mean, std = pixels.mean(dim=1), pixels.std(dim=1)
-    scale = (1 / (255 * std)).view(1, -1, 1, 1)
-    shift = (-mean / std).view(1, -1, 1, 1)
-    num_classes = int(train_y.max()) + 1
+    scale = (1 / (255 * std)).view(1, -1, 1, 1).to(dtype)
+    shift = (-mean / std).view(1, -1, 1, 1).to(dtype)
     return ImageData(
         resolved,
         Split(train_x, train_y.to(device), scale, shift),
         Split(test_x, test_y.to(device), scale, shift),
-        num_classes,
+        NUM_CLASSES,
     )
 
 
 _TORCHVISION = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "cifar10": "CIFAR10"}
+_IDX = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 _FILES = {
-    "MNIST": "MNIST/raw/ (train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte)",
-    "FashionMNIST": "FashionMNIST/raw/ (train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte)",
-    "CIFAR10": "cifar-10-batches-py/ (data_batch_1..5, test_batch, batches.meta)",
+    "mnist": f"MNIST/raw/ ({', '.join(_IDX)})",
+    "fashion-mnist": f"FashionMNIST/raw/ ({', '.join(_IDX)})",
+    "cifar10": "cifar-10-batches-py/ (data_batch_1..5, test_batch, batches.meta)",
 }
 
 
-def _resolve(name, data_dir, download, log):
-    """On rank 0: make sure the files are there. Returns (dataset name, None) or (None, error line)."""
+def _check_node(name, data_dir, download):
+    """On each node's local rank 0: this node's name, and why its files are missing or broken (None if fine)."""
+    node = f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"
+    answer = {"node": node, "data_dir": os.path.abspath(data_dir), "missing": None, "broken": None}
+    if name != "synthetic":
+        wanted = "mnist" if name == "auto" else name
+        answer["missing"] = _ensure_files(wanted, data_dir, download)
+        if answer["missing"] is None:
+            try:  # every check the ranks' own reads will make, once, here
+                (train_images, _), (test_images, _) = (_read(wanted, data_dir, train) for train in (True, False))
+                if train_images.shape[1:] != test_images.shape[1:]:
+                    raise DataError(f"{wanted} in {answer['data_dir']} has training images of shape "
+                                    f"{tuple(train_images.shape[1:])} but test images of {tuple(test_images.shape[1:])}")
+            except DataError as error:
+                answer["broken"] = str(error)
+    return answer
+
+
+def _agree(name, nodes, log):
+    """The dataset every rank uses, from every node's answer; a DataError when a node lacks the files."""
     if name == "synthetic":
-        return "synthetic", None
+        return "synthetic"
+    several = len(nodes) > 1
+    broken = [node for node in nodes if node["broken"]]
+    if broken:  # files that are there but wrong are an error, also for auto: never a silent fallback
+        raise DataError(broken[0]["broken"] + (f" (on {broken[0]['node']})" if several else ""))
     wanted = "mnist" if name == "auto" else name
-    problem = _ensure_files(wanted, data_dir, download)
-    if problem is None:
-        return wanted, None
+    lacking = [node for node in nodes if node["missing"]]
+    if not lacking:
+        return wanted
+    first = lacking[0]
+    where = f"{first['data_dir']} on {first['node']}" if several else first["data_dir"]
+    others = f" (and on {len(lacking) - 1} more node(s))" if len(lacking) > 1 else ""
     if name == "auto":
-        log(f"dataset: MNIST is not in {data_dir} and {problem}; using the built-in synthetic digits instead")
-        return "synthetic", None
-    where = os.path.join(data_dir, _FILES[_TORCHVISION[wanted]])
-    return None, f"{wanted} is not in {data_dir} and {problem}: put the files in {where}, or pick --dataset synthetic"
+        log(f"dataset: MNIST is not in {where}{others} and {first['missing']}; "
+            f"using the built-in synthetic digits{' on every node' if several else ''} instead")
+        return "synthetic"
+    files = os.path.join(first["data_dir"], _FILES[wanted])
+    shared = " on every node (or on storage all nodes share)" if several else ""
+    raise DataError(f"{wanted} is not in {where}{others} and {first['missing']}: put the files in {files}{shared}, "
+                    "or pick --dataset synthetic")
+
+
+def _on_disk(name, data_dir):
+    if name == "cifar10":
+        import torchvision  # imported only here: it costs seconds (it loads torch._dynamo)
+
+        try:
+            torchvision.datasets.CIFAR10(data_dir, train=True, download=False)
+            return True
+        except RuntimeError:
+            return False
+    raw = os.path.join(data_dir, _TORCHVISION[name], "raw")
+    return all(os.path.isfile(os.path.join(raw, file)) for file in _IDX)
 
 
 def _ensure_files(name, data_dir, download):
     """None when the files are on disk (downloading them if allowed), else why they are not."""
-    import torchvision  # imported here: it costs seconds, and the synthetic set does not need it
-
-    dataset_class = getattr(torchvision.datasets, _TORCHVISION[name])
-    try:
-        dataset_class(data_dir, train=True, download=False)
+    if _on_disk(name, data_dir):
         return None
-    except RuntimeError:
-        pass
     if not download:
         return "--no-download forbids fetching it"
+    import torchvision
+
     previous_timeout = socket.getdefaulttimeout()
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_SECONDS)  # an unreachable mirror fails in seconds, not minutes
     try:
-        dataset_class(data_dir, train=True, download=True)
+        getattr(torchvision.datasets, _TORCHVISION[name])(data_dir, train=True, download=True)
         return None
     except Exception as error:  # torchvision raises RuntimeError or URLError, depending on the dataset
         reason = " ".join(str(error).split()) or type(error).__name__  # torchvision's message spans lines
-        return f"the download failed ({reason[:160]})"
+        return f"the download failed ({textwrap.shorten(reason, 160, placeholder=' ...')})"
     finally:
         socket.setdefaulttimeout(previous_timeout)
 
 
-def _read_torchvision(name, data_dir, train):
-    import torchvision
+def _read(name, data_dir, train):
+    """(images uint8 (N, C, H, W), labels int64 (N,)) of one split, checked; a DataError names a bad file."""
+    if name == "cifar10":
+        import torchvision
 
-    dataset = getattr(torchvision.datasets, _TORCHVISION[name])(data_dir, train=train, download=False)
-    images = torch.as_tensor(dataset.data)
-    # MNIST-style sets hold (N, H, W); CIFAR holds (N, H, W, C) as a numpy array.
-    images = images.unsqueeze(1) if images.dim() == 3 else images.permute(0, 3, 1, 2)
-    return images.contiguous(), torch.as_tensor(dataset.targets, dtype=torch.int64)
+        dataset = torchvision.datasets.CIFAR10(data_dir, train=train, download=False)
+        images = torch.as_tensor(dataset.data).permute(0, 3, 1, 2)  # (N, H, W, C) as a numpy array
+        return images.contiguous(), torch.as_tensor(dataset.targets, dtype=torch.int64)
+    # MNIST and Fashion-MNIST: read the IDX files directly (the format is a header and raw bytes),
+    # which is faster than torchvision's reader and checks what torchvision does not.
+    raw = os.path.join(data_dir, _TORCHVISION[name], "raw")
+    prefix = "train" if train else "t10k"
+    images_path = os.path.join(raw, f"{prefix}-images-idx3-ubyte")
+    labels_path = os.path.join(raw, f"{prefix}-labels-idx1-ubyte")
+    images, labels = _read_idx(images_path, 3), _read_idx(labels_path, 1).long()
+    if len(images) == 0:
+        raise DataError(f"{images_path} holds no images")
+    if len(labels) != len(images):
+        raise DataError(f"{labels_path} holds {len(labels)} labels for the {len(images)} images in {images_path}; "
+                        "the two files must match")
+    if min(images.shape[1:]) < 4:
+        raise DataError(f"{images_path} holds {tuple(images.shape[1:])} images; BabyCNN needs at least 4x4")
+    wrong = ((labels < 0) | (labels >= NUM_CLASSES)).nonzero()
+    if len(wrong):
+        index = int(wrong[0])
+        raise DataError(f"{labels_path} has label {int(labels[index])} at index {index}; "
+                        f"{name} labels are 0 to {NUM_CLASSES - 1}")
+    return images.unsqueeze(1), labels
+
+
+def _read_idx(path, dimensions):
+    """An IDX file of uint8 data: bytes 0, 0, 0x08, the number of dimensions, each dimension as a
+    big-endian 32-bit integer, then the data."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except OSError as error:
+        raise DataError(f"{path} cannot be read ({error.strerror or error})") from None
+    header = 4 + 4 * dimensions
+    if len(data) < header or data[:4] != bytes((0, 0, 0x08, dimensions)):
+        raise DataError(f"{path} is not an IDX file of {dimensions}-D uint8 data "
+                        f"(it starts with {data[:4].hex() or 'nothing'}, not 0000080{dimensions})")
+    shape = struct.unpack(f">{dimensions}I", data[4:header])
+    expected = header + math.prod(shape)
+    if len(data) != expected:
+        state = "is truncated" if len(data) < expected else "is longer than its header says"
+        raise DataError(f"{path} {state}: shape {shape} needs {expected:,} bytes, the file has {len(data):,}")
+    return torch.frombuffer(bytearray(data[header:]), dtype=torch.uint8).view(shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,7 +312,8 @@ def synthetic_digits(count, seed, image_size=28):
         t = threshold[part].float().view(-1, 1, 1, 1)
         ink = ((ink - t) / (1 - t)).clamp(0, 1)
         ink = ink * (2 - ink)  # brighten the stroke's soft edge
-        noise = torch.randn(n, 1, image_size, image_size, generator=generator) * noise_level[part].float().view(-1, 1, 1, 1)
+        noise = torch.randn(n, 1, image_size, image_size, generator=generator)
+        noise *= noise_level[part].float().view(-1, 1, 1, 1)
         images[part] = ((ink + noise).clamp(0, 1) * 255).round().to(torch.uint8)
     return images, labels
 

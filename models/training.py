@@ -26,6 +26,14 @@ class UsageError(Exception):
     """Bad flags or a layout that cannot work: printed as one line by rank 0, exit code 2."""
 
 
+class NodeError(UsageError):
+    """A problem of one node (its GPUs): printed as one line by that node's local rank 0, exit code 2.
+
+    Every rank of the node finds it before the process group exists, so rank 0 (perhaps on another,
+    healthy node) cannot be told; each failing node speaks for itself.
+    """
+
+
 def launched_rank():
     """This process's global rank as torchrun tells it (0 when run without torchrun)."""
     return int(os.environ.get("RANK", "0"))
@@ -35,12 +43,14 @@ def fail_cleanly(main):
     """Run ``main()``; turn a UsageError or DataError into one line on rank 0 and exit code 2.
 
     Every rank reaches the same verdict from the same flags (or from rank 0's broadcast), so the
-    others just exit quietly instead of printing the same message N times.
+    others just exit quietly instead of printing the same message N times. When torchrun restarts
+    the workers (MAX_RESTARTS), the restarts fail the same way; only the first attempt says so.
     """
     try:
         main()
     except (UsageError, data.DataError) as error:
-        if launched_rank() == 0:
+        speaker = int(os.environ.get("LOCAL_RANK", "0")) if isinstance(error, NodeError) else launched_rank()
+        if speaker == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
@@ -83,7 +93,8 @@ def parser(description):
     """The flags all three scripts share; each script adds its own strategy's flags."""
     p = _Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = p.add_argument
-    add("--dataset", choices=data.DATASETS, default="auto", help="auto: MNIST if on disk or downloadable, else synthetic")
+    add("--dataset", choices=data.DATASETS, default="auto",
+        help="auto: MNIST if on disk or downloadable, else synthetic")
     add("--data-dir", default="./data", help="where torchvision datasets are read from and downloaded to")
     add("--no-download", action="store_true", help="never use the network; use only files already in --data-dir")
     add("--epochs", type=_positive_int, default=2)
@@ -97,7 +108,11 @@ def parser(description):
     add("--scale-lr", action="store_true", help="linear scaling rule: lr *= global_batch_size / base_batch_size")
     add("--base-batch-size", type=_positive_int, default=64, help="the global batch size --lr was tuned for")
     add("--warmup-steps", type=_non_negative_int, default=0, help="ramp the lr linearly over this many optimizer steps")
-    add("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast the forward pass to bfloat16")
+    add("--device", choices=("auto", "cuda", "cpu"), default="auto",
+        help="auto: the GPU cuda:LOCAL_RANK when CUDA is available (NCCL), else the CPU (gloo)")
+    add("--precision", choices=("fp32", "bf16", "fp64"), default="fp32",
+        help="bf16: autocast the forward pass to bfloat16; fp64: the whole model in float64 (slow; the tests use "
+        "it to compare strategies far above float32's rounding)")
     add("--width", type=_positive_int, default=1, help="BabyCNN channel multiplier (parameters grow with its square)")
     add("--seed", type=int, default=0, help="same initial weights and data order on every rank")
     add("--log-every", type=_positive_int, default=20, help="optimizer steps between all-reduced loss readings")
@@ -134,8 +149,35 @@ def make_optimizer(args, parameters, lr):
     return optimizer, scheduler
 
 
+def use_cuda(device_flag, local_rank):
+    """True when this process should train on cuda:LOCAL_RANK; a NodeError when it cannot.
+
+    Runs before any CUDA call. torch.cuda.device_count() honours CUDA_VISIBLE_DEVICES (nvidia-smi
+    does not), and every rank of a node checks the node's whole LOCAL_WORLD_SIZE, so all of them
+    stop together instead of one rank dying on "invalid device ordinal".
+    """
+    if device_flag == "cpu" or (device_flag == "auto" and not torch.cuda.is_available()):
+        return False
+    gpus = torch.cuda.device_count()
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    if processes > gpus:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        way_out = (f"start at most {gpus} per node (NPROC_PER_NODE={gpus})" if gpus
+                   else "use a machine with GPUs and a CUDA build of torch")
+        need = f"{processes} processes on this node need {processes} GPUs" if processes > 1 else "--device cuda needs a GPU"
+        raise NodeError(f"{need}, but torch sees {gpus}{shown}: "
+                        f"{way_out}, or train on the CPU with --device cpu")
+    return True
+
+
+def dtype(args):
+    """The dtype of the weights: float32, or float64 with --precision fp64 (bf16 autocasts fp32 weights)."""
+    return torch.float64 if args.precision == "fp64" else torch.float32
+
+
 def autocast(args, device):
-    """The autocast context for the forward pass (bf16 on CPU and GPU alike), or a no-op for fp32."""
+    """The autocast context for the forward pass (bf16 on CPU and GPU alike), or a no-op for fp32 and fp64."""
     if args.precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return nullcontext()
@@ -220,7 +262,8 @@ class Progress:
         self.total_steps, self.global_batch_size, self.log_every = total_steps, global_batch_size, log_every
         # In a log file (not a terminal) a redraw every 10 s is plenty.
         refresh = 0.1 if sys.stderr.isatty() else 10
-        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", disable=rank != 0, dynamic_ncols=True, mininterval=refresh)
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", disable=rank != 0, dynamic_ncols=True,
+                        mininterval=refresh)
         self.start_step = self.step = start_step  # a resumed run counts on from its checkpoint
         self.train_seconds, self.loss_curve = 0.0, []
         self.final_train_loss = float("nan")
@@ -270,4 +313,5 @@ def write_metrics(path, summary, per_rank_state):
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, per_rank_state)
     if dist.get_rank() == 0:
-        _write_atomically(path, lambda file: file.write((json.dumps({**summary, "ranks": per_rank}, indent=2) + "\n").encode()))
+        text = json.dumps({**summary, "ranks": per_rank}, indent=2) + "\n"
+        _write_atomically(path, lambda file: file.write(text.encode()))

@@ -21,6 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from models import BabyCNN  # noqa: E402
 from models.data import synthetic_digits  # noqa: E402
 
 TIMEOUT = 240  # seconds for one launch; a healthy one takes 5 to 40 here
@@ -29,7 +30,9 @@ TIMEOUT = 240  # seconds for one launch; a healthy one takes 5 to 40 here
 def child_env(**extra):
     env = dict(os.environ)
     env.pop("RANK", None)  # a test may itself run under a launcher; the children must not inherit it
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    # The suite runs on CPUs with gloo on every machine, a GPU node included (tests/test_gpu.py is
+    # the GPU suite): hidden GPUs make --device auto pick the CPU.
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -99,6 +102,13 @@ def python(script, *args, env=None):
     return Run([sys.executable, ROOT / script, *args], env=env)
 
 
+def launch(script, processes, *args, env=None):
+    """torchrun with ``processes`` workers, or plain python for one (torchrun's agent costs a process)."""
+    if processes > 1:
+        return torchrun(script, processes, *args, env=env)
+    return python(script, *args, env=env)
+
+
 def succeeded(run):
     run.wait()
     assert run.returncode == 0, f"exit code {run.returncode}:\n{run.output[-4000:]}"
@@ -130,13 +140,20 @@ def mnist_dir(tmp_path_factory):
     return root
 
 
-# fp32 SGD with momentum and a warmup, crossing an epoch boundary (20 steps per epoch at global batch 32).
-EQUIVALENCE = ["--optimizer", "sgd", "--lr", "0.01", "--warmup-steps", "5", "--max-steps", "24", "--log-every", "8"]
-# Equal math, different float summation order (half-batches, then an all-reduce or reduce-scatter):
-# the equivalent runs in the tests end about 3e-7 apart on this data. On another CPU an activation within 1e-7 of a ReLU or
-# max-pool kink may take the other branch and leave up to ~3e-4 (seen with other data), so the
-# tolerance is 1e-3: still 150x below the negative control (one rank's half-batch alone).
-TOLERANCE = 1e-3
+# SGD with momentum and a warmup, crossing an epoch boundary (20 steps per epoch at global batch 32),
+# in float64. Equivalent layouts do the same math in another summation order (half-batches, then an
+# all-reduce, a reduce-scatter, microbatches). In float32 that order leaves ~1e-7 differences, and an
+# activation that close to a ReLU or max-pool kink takes the other branch on one side: one such flip
+# moves a layer's gradient by ~1e-4 of its size, and later steps amplify it (measured here: 1e-6 after
+# 2 steps, 3e-4 after 3, 8e-4 after 6 with ATEN_CPU_CAPABILITY=default). Which CPU, kernel and seed
+# flips is chance. In float64 the order leaves ~1e-16, no flip is in reach, and 24 steps stay far from
+# chaos, so the tolerance can be tight and the same on every machine.
+EQUIVALENCE = ["--precision", "fp64", "--optimizer", "sgd", "--lr", "0.01", "--warmup-steps", "5", "--max-steps", "24",
+               "--log-every", "8"]
+# Relative to how far training moved the weights: equivalent runs end ~1e-14 apart, a real mistake
+# (one rank's half-batch alone, the wrong gradient scale) 0.1 to 1 apart.
+TOLERANCE = 1e-9
+CONTROL_FLOOR = 1e-2  # the negative control must differ at least this much: 1e7 x the tolerance
 
 
 def mnist_args(mnist_dir):
@@ -159,6 +176,15 @@ def reference(reference_run):
 
 
 @pytest.fixture(scope="session")
+def control(mnist_dir, tmp_path_factory):
+    """The negative control: one process at batch 16, what one rank computes if nothing averages
+    its gradients with the other rank's; every equivalence test checks it is far off."""
+    path = tmp_path_factory.mktemp("control") / "half_batch.pt"
+    succeeded(python("train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "16", "--save", path))
+    return load_weights(path)
+
+
+@pytest.fixture(scope="session")
 def reference_metrics(reference_run):
     """The reference run's metrics: its logged loss curve and test accuracy."""
     return json.loads((reference_run / "reference.json").read_text())
@@ -171,6 +197,25 @@ def load_weights(path):
 def max_difference(a, b):
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def relative_difference(weights, reference):
+    """||weights - reference|| / ||reference - initial||, over all tensors: 0 for the same run, about
+    1 for a run that went elsewhere. The initial weights are BabyCNN's for --seed 0."""
+    assert weights.keys() == reference.keys()
+    torch.manual_seed(0)
+    initial = BabyCNN().state_dict()
+    apart = sum(((weights[k].double() - reference[k].double()) ** 2).sum() for k in reference)
+    moved = sum(((reference[k].double() - initial[k].double()) ** 2).sum() for k in reference)
+    return (apart / moved).sqrt().item()
+
+
+def assert_same_math(weights, reference, control):
+    """``weights`` came from the same computation as ``reference``, in another summation order.
+
+    The negative control shows, in the same test, that the tolerance is far below a real mistake."""
+    assert relative_difference(control, reference) > CONTROL_FLOOR
+    assert relative_difference(weights, reference) < TOLERANCE
 
 
 def assert_one_line_error(run, message):

@@ -7,14 +7,16 @@ import signal
 import time
 
 import pytest
+import torch.distributed.checkpoint as dcp
 
 from conftest import (
-    ROOT, Run, assert_one_line_error, launcher_env, load_weights, max_difference, mnist_args, python, succeeded,
+    ROOT, Run, assert_one_line_error, launch, launcher_env, load_weights, max_difference, mnist_args, python, succeeded,
     torchrun, worker_pids,
 )
 
-# 100 fp32 steps over 5 epochs (20 steps each at global batch 32), a checkpoint every 10 steps.
-LONG = ["--optimizer", "sgd", "--lr", "0.01", "--epochs", "7", "--max-steps", "100", "--log-every", "10", "--checkpoint-every", "10"]
+# 60 fp32 steps over 3 epochs (20 steps each at global batch 32), a checkpoint every 10 steps.
+LONG = ["--optimizer", "sgd", "--lr", "0.01", "--epochs", "5", "--max-steps", "60", "--log-every", "10",
+        "--checkpoint-every", "10"]
 SCRIPTS = {  # name: (launcher, script, flags)
     "ddp": ("run_ddp.sh", "train_ddp.py", ["--batch-size", "16"]),
     "fsdp": ("run_fsdp.sh", "train_fsdp.py", ["--batch-size", "16"]),
@@ -73,6 +75,14 @@ def test_a_stopped_job_resumes_with_the_same_command(uninterrupted, mnist_dir, t
     assert max_difference(load_weights(tmp_path / "final.pt"), load_weights(uninterrupted("ddp") / "final.pt")) == 0
 
 
+def test_every_rank_saves_the_random_state_of_each_generator_it_uses(uninterrupted):
+    step = uninterrupted("ddp") / "ck" / "step-60"
+    # The suite trains on CPUs; on GPUs "cuda" joins "cpu" (tests/test_gpu.py checks that).
+    assert json.loads((step / "checkpoint.json").read_text())["random_states"] == ["cpu"]
+    saved = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    assert {key for key in saved if key.startswith("rng.")} == {"rng.rank0.cpu", "rng.rank1.cpu"}
+
+
 def copy_checkpoints(source, tmp_path):
     target = tmp_path / "ck"
     shutil.copytree(source / "ck", target)
@@ -82,14 +92,14 @@ def copy_checkpoints(source, tmp_path):
 def test_ddp_checkpoint_resumes_on_one_process_past_an_interrupted_save(uninterrupted, mnist_dir, tmp_path):
     checkpoints = copy_checkpoints(uninterrupted("ddp"), tmp_path)
     # What a crash in the middle of the next save leaves: a half-written temporary directory.
-    partial = checkpoints / ".tmp-step-110"
-    shutil.copytree(checkpoints / "step-100", partial)
+    partial = checkpoints / ".tmp-step-70"
+    shutil.copytree(checkpoints / "step-60", partial)
     data_file = next(partial.glob("*.distcp"))
     data_file.write_bytes(data_file.read_bytes()[:100])
     run = succeeded(python("train_ddp.py", *mnist_args(mnist_dir), *LONG, "--batch-size", "32",
                            "--checkpoint-dir", checkpoints, "--save", tmp_path / "final.pt"))
-    assert f"resumed from {checkpoints}/step-100 (step 100" in run.output
-    # 100 of 100 steps were done: the run only loads (world size 2 -> 1) and saves.
+    assert f"resumed from {checkpoints}/step-60 (step 60" in run.output
+    # 60 of 60 steps were done: the run only loads (world size 2 -> 1) and saves.
     assert max_difference(load_weights(tmp_path / "final.pt"), load_weights(uninterrupted("ddp") / "final.pt")) == 0
 
 
@@ -100,7 +110,7 @@ def test_ddp_checkpoint_resumes_on_one_process_past_an_interrupted_save(uninterr
 )
 def test_data_parallel_checkpoints_reshard(saved, script, ranks, uninterrupted, mnist_dir, tmp_path):
     checkpoints = copy_checkpoints(uninterrupted(saved), tmp_path)
-    run = succeeded(torchrun(script, ranks, *mnist_args(mnist_dir), *LONG, "--batch-size", str(32 // ranks),
+    run = succeeded(launch(script, ranks, *mnist_args(mnist_dir), *LONG, "--batch-size", str(32 // ranks),
                              "--checkpoint-dir", checkpoints, "--save", tmp_path / "final.pt"))
     assert "resumed from" in run.output
     assert max_difference(load_weights(tmp_path / "final.pt"), load_weights(uninterrupted(saved) / "final.pt")) == 0
@@ -109,31 +119,36 @@ def test_data_parallel_checkpoints_reshard(saved, script, ranks, uninterrupted, 
 def test_a_resharded_resume_continues_training(uninterrupted, mnist_dir, tmp_path):
     checkpoints = copy_checkpoints(uninterrupted("fsdp"), tmp_path)
     metrics_path = tmp_path / "metrics.json"
-    longer = [a if a != "100" else "140" for a in LONG]  # 40 more steps (2 epochs) than were saved
-    run = succeeded(torchrun("train_ddp.py", 1, *mnist_args(mnist_dir), *longer, "--batch-size", "32",
+    longer = [a if a != "60" else "100" for a in LONG]  # 40 more steps (2 epochs) than were saved
+    run = succeeded(python("train_ddp.py", *mnist_args(mnist_dir), *longer, "--batch-size", "32",
                              "--checkpoint-dir", checkpoints, "--metrics", metrics_path))
     assert "resumed from" in run.output
     metrics = json.loads(metrics_path.read_text())
-    assert metrics["steps"] == 140 and metrics["loss_curve"][0][0] == 110  # counted on from step 100
-    before = json.loads((uninterrupted("fsdp") / "ck" / "step-100" / "checkpoint.json").read_text())
-    assert before["step"] == 100
+    assert metrics["steps"] == 100 and metrics["loss_curve"][0][0] == 70  # counted on from step 60
+    before = json.loads((uninterrupted("fsdp") / "ck" / "step-60" / "checkpoint.json").read_text())
+    assert before["step"] == 60
     assert metrics["final_train_loss"] < 1.0 and metrics["test_accuracy"] > 0.5
 
 
 def test_bad_checkpoints_are_one_line_errors(uninterrupted, mnist_dir, tmp_path):
     corrupt = copy_checkpoints(uninterrupted("ddp"), tmp_path / "corrupt")
-    data_file = next((corrupt / "step-100").glob("*.distcp"))
+    data_file = next((corrupt / "step-60").glob("*.distcp"))
     data_file.write_bytes(data_file.read_bytes()[:100])
     garbled = copy_checkpoints(uninterrupted("ddp"), tmp_path / "garbled")
-    (garbled / "step-100" / "checkpoint.json").write_text("{not json")
+    (garbled / "step-60" / "checkpoint.json").write_text("{not json")
     pipeline = copy_checkpoints(uninterrupted("pippy"), tmp_path / "pipeline")
-    cases = [  # (script, flags, message): started together, they fail while loading
-        ("train_ddp.py", ["--checkpoint-dir", corrupt], f"checkpoint {corrupt}/step-100 is unreadable"),
-        ("train_ddp.py", ["--checkpoint-dir", garbled], f"checkpoint {garbled}/step-100/checkpoint.json is unreadable"),
-        ("train_ddp.py", ["--checkpoint-dir", corrupt, "--width", "2"], "was saved with model {'in_channels': 1, 'num_classes': 10, 'image_size': 28, 'width': 1}"),
-        ("train_ddp.py", ["--checkpoint-dir", pipeline], "was saved with parallelism pipeline of 2 stages, this run has parallelism data parallel"),
-        ("train_pippy.py", ["--checkpoint-dir", pipeline, "--schedule", "looped-bfs"], "pipeline of 2 stages, this run has parallelism pipeline of 4 stages"),
+    cases = [  # (processes, script, flags, message): started together, they fail while loading; one process
+        # where the world size does not matter (the corrupt file fails every rank's DCP read at 2)
+        (2, "train_ddp.py", ["--checkpoint-dir", corrupt], f"checkpoint {corrupt}/step-60 is unreadable"),
+        (1, "train_ddp.py", ["--checkpoint-dir", garbled], f"checkpoint {garbled}/step-60/checkpoint.json is unreadable"),
+        (1, "train_ddp.py", ["--checkpoint-dir", corrupt, "--width", "2"],
+         "was saved with model {'in_channels': 1, 'num_classes': 10, 'image_size': 28, 'width': 1}"),
+        (1, "train_ddp.py", ["--checkpoint-dir", pipeline],
+         "was saved with parallelism pipeline of 2 stages, this run has parallelism data parallel"),
+        (2, "train_pippy.py", ["--checkpoint-dir", pipeline, "--schedule", "looped-bfs"],
+         "pipeline of 2 stages, this run has parallelism pipeline of 4 stages"),
     ]
-    runs = [torchrun(script, 2, *mnist_args(mnist_dir), *LONG, "--batch-size", "16", *flags) for script, flags, _ in cases]
-    for run, (_, _, message) in zip(runs, cases):
-        assert_one_line_error(run.wait(timeout=120), str(message))
+    runs = [launch(script, processes, *mnist_args(mnist_dir), *LONG, "--batch-size", "16", *flags)
+            for processes, script, flags, _ in cases]
+    for run, (*_, message) in zip(runs, cases):
+        assert_one_line_error(run.wait(), str(message))

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -9,9 +10,11 @@ import pytest
 import torch
 
 from conftest import (
-    EQUIVALENCE, ROOT, TOLERANCE, Run, assert_one_line_error, launcher_env, worker_pids, free_port, load_weights, max_difference, mnist_args, python, succeeded, torchrun,
+    EQUIVALENCE, ROOT, Run, assert_one_line_error, assert_same_math, free_port, launch, launcher_env, load_weights,
+    max_difference, mnist_args, python, succeeded, torchrun, worker_pids,
 )
 from models import BabyCNN
+
 
 @pytest.fixture(scope="module")
 def two_ranks(mnist_dir, tmp_path_factory):
@@ -26,36 +29,67 @@ def test_saved_weights_load_into_a_plain_babycnn_and_moved_away_from_the_initial
     model.load_state_dict(reference)  # strict: no "module." prefix, no missing or extra keys
     torch.manual_seed(0)
     initial = BabyCNN(in_channels=1, num_classes=10, image_size=28).state_dict()
-    assert max_difference(reference, initial) > 100 * TOLERANCE  # training really moved the weights
+    assert max_difference(reference, initial) > 0.01  # training really moved the weights
 
 
-def test_two_ranks_match_one_process_at_twice_the_batch(reference, two_ranks, mnist_dir, tmp_path):
-    assert max_difference(two_ranks, reference) < TOLERANCE
-    # Negative control: one process at batch 16 (what a rank would do without DDP) is far off.
-    path = tmp_path / "half_batch.pt"
-    succeeded(python("train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "16", "--save", path))
-    assert max_difference(load_weights(path), reference) > 100 * TOLERANCE
+def test_two_ranks_match_one_process_at_twice_the_batch(reference, two_ranks, control):
+    assert_same_math(two_ranks, reference, control)
 
 
-def test_gradient_accumulation_matches_one_process_at_twice_the_batch(reference, mnist_dir, tmp_path):
+def test_gradient_accumulation_matches_one_process_at_twice_the_batch(reference, control, mnist_dir, tmp_path):
     path = tmp_path / "accumulated.pt"
-    run = torchrun("train_ddp.py", 1, *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "16", "--grad-accum", "2", "--save", path)
+    run = python("train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "16", "--grad-accum", "2",
+                 "--save", path)
     succeeded(run)
     assert "global batch 32" in run.output
-    assert max_difference(load_weights(path), reference) < TOLERANCE
+    assert_same_math(load_weights(path), reference, control)
 
 
-def test_two_nodes_train_together_like_one_node_with_two_processes(two_ranks, mnist_dir, tmp_path):
-    port, path = free_port(), tmp_path / "two_nodes.pt"
-    nodes = []
+def two_nodes(tmp_path, mnist_dir, with_data, *args, **extra_env):
+    """Start run_ddp.sh as two "nodes" of one process each, each in its own directory, reading
+    --data-dir data there (no shared filesystem): node k gets a copy of the MNIST files if with_data[k]."""
+    port, runs = free_port(), []
     for node_rank in (0, 1):
-        env = launcher_env(NNODES=2, NODE_RANK=node_rank, NPROC_PER_NODE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RDZV_ID=f"test-{port}")
-        args = ["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "16", "--save", path]
-        nodes.append(Run(args, env=env))
+        node_dir = tmp_path / f"node{node_rank}"
+        node_dir.mkdir()
+        if with_data[node_rank]:
+            shutil.copytree(mnist_dir, node_dir / "data")
+        env = launcher_env(NNODES=2, NODE_RANK=node_rank, NPROC_PER_NODE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                           RDZV_ID=f"test-{port}", **extra_env)
+        runs.append(Run(["bash", ROOT / "run_ddp.sh", "--data-dir", "data", "--no-download", *args], env=env, cwd=node_dir))
+    return runs
+
+
+def test_two_nodes_with_their_own_data_train_like_one_node_with_two_processes(two_ranks, mnist_dir, tmp_path):
+    path = tmp_path / "two_nodes.pt"
+    nodes = two_nodes(tmp_path, mnist_dir, (True, True), "--dataset", "mnist", *EQUIVALENCE, "--batch-size", "16",
+                      "--save", path)
     for node in nodes:
         succeeded(node)
     assert "DDP on 2 rank(s)" in nodes[0].output + nodes[1].output
     assert max_difference(load_weights(path), two_ranks) == 0  # the very same computation
+
+
+@pytest.mark.parametrize("dataset", ["mnist", "auto"])
+def test_a_node_without_the_files_stops_every_node_or_none(dataset, mnist_dir, tmp_path):
+    metrics_path = tmp_path / "metrics.json"
+    # MAX_RESTARTS=1: torchrun restarts the failed workers once, and they must not say it again.
+    nodes = two_nodes(tmp_path, mnist_dir, (True, False), "--dataset", dataset, "--max-steps", "40",
+                      "--metrics", metrics_path, MAX_RESTARTS=1)
+    for node in nodes:
+        node.wait()
+    output = nodes[0].output + nodes[1].output
+    lacking = f"is not in {tmp_path / 'node1' / 'data'} on node "
+    if dataset == "mnist":  # one line, from rank 0, whichever node it is on, naming the node without the files
+        errors = [line for line in output.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and lacking in errors[0] and "on every node" in errors[0], output
+        assert all(node.returncode != 0 for node in nodes)
+    else:  # auto: both nodes fall back together, never MNIST on one and the synthetic set on the other
+        assert [node.returncode for node in nodes] == [0, 0], output
+        assert output.count("using the built-in synthetic digits on every node instead") == 1, output
+        assert lacking in output
+        metrics = json.loads(metrics_path.read_text())
+        assert metrics["dataset"] == "synthetic" and metrics["test_accuracy"] > 0.5  # and it learns that set
 
 
 def test_short_run_learns_with_all_reduced_loss_and_metrics(mnist_dir, tmp_path):
@@ -84,18 +118,6 @@ def test_short_run_learns_with_all_reduced_loss_and_metrics(mnist_dir, tmp_path)
     assert "loss (all ranks)" in run.output and "[rank1]" not in run.output
 
 
-def test_auto_falls_back_to_the_synthetic_set_and_learns_it(tmp_path):
-    metrics_path = tmp_path / "metrics.json"
-    run = torchrun(
-        "train_ddp.py", 2, "--data-dir", tmp_path / "empty", "--no-download", "--max-steps", "40", "--metrics", metrics_path
-    )
-    succeeded(run)
-    assert run.output.count("using the built-in synthetic digits instead") == 1
-    metrics = json.loads(metrics_path.read_text())
-    assert metrics["dataset"] == "synthetic"
-    assert metrics["test_accuracy"] > 0.5
-
-
 def test_bf16_autocast_trains(mnist_dir, tmp_path):
     metrics_path = tmp_path / "metrics.json"
     run = python("train_ddp.py", *mnist_args(mnist_dir), "--precision", "bf16", "--max-steps", "30", "--log-every", "10", "--metrics", metrics_path)
@@ -106,12 +128,17 @@ def test_bf16_autocast_trains(mnist_dir, tmp_path):
     assert all(loss == loss for loss in curve) and curve[-1] < curve[0], curve
 
 
-BAD_INPUT = {  # case: (flags, the error line it must give)
-    "missing-mnist": (["--dataset", "mnist", "--no-download", "--data-dir", "{tmp}/missing"], "put the files in {tmp}/missing/MNIST/raw/"),
-    "zero-batch": (["--dataset", "synthetic", "--batch-size", "0"], "argument --batch-size: must be a positive integer, got 0"),
-    "batch-over-shard": (["--dataset", "mnist", "--no-download", "--data-dir", "{mnist}", "--batch-size", "321"], "is more than the 320 samples each of the 2 ranks gets"),
-    "unknown-dataset": (["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
-    "unwritable-save": (["--dataset", "synthetic", "--save", "{tmp}"], "--save {tmp}: cannot write there"),
+BAD_INPUT = {  # case: (processes, flags, the error line it must give); one process where the world size does not matter
+    "missing-mnist": (1, ["--dataset", "mnist", "--no-download", "--data-dir", "{tmp}/missing"],
+                      "put the files in {tmp}/missing/MNIST/raw/"),
+    "zero-batch": (1, ["--dataset", "synthetic", "--batch-size", "0"], "argument --batch-size: must be a positive integer, got 0"),
+    "batch-over-shard": (2, ["--dataset", "mnist", "--no-download", "--data-dir", "{mnist}", "--batch-size", "321"],
+                         "is more than the 320 samples each of the 2 ranks gets"),
+    "unknown-dataset": (1, ["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
+    "unwritable-save": (1, ["--dataset", "synthetic", "--save", "{tmp}"], "--save {tmp}: cannot write there"),
+    # The suite hides the GPUs (conftest.child_env), so every rank finds none; on a GPU node the same check
+    # stops, in one line per node, more processes than GPUs.
+    "cuda-without-gpus": (2, ["--dataset", "synthetic", "--device", "cuda"], "2 processes on this node need 2 GPUs, but torch sees 0"),
 }
 
 
@@ -119,14 +146,17 @@ BAD_INPUT = {  # case: (flags, the error line it must give)
 def bad_input_runs(mnist_dir, tmp_path_factory):
     """Every bad-input case, launched at once (each fails within seconds)."""
     fill = {"tmp": str(tmp_path_factory.mktemp("bad")), "mnist": str(mnist_dir)}
-    runs = {case: torchrun("train_ddp.py", 2, *[a.format(**fill) for a in args]) for case, (args, _) in BAD_INPUT.items()}
+    runs = {}
+    for case, (processes, args, _) in BAD_INPUT.items():
+        args = [a.format(**fill) for a in args]
+        runs[case] = launch("train_ddp.py", processes, *args)
     return runs, fill
 
 
 @pytest.mark.parametrize("case", BAD_INPUT)
 def test_bad_input_is_one_line_from_rank_zero(case, bad_input_runs):
     runs, fill = bad_input_runs
-    assert_one_line_error(runs[case].wait(timeout=90), BAD_INPUT[case][1].format(**fill))
+    assert_one_line_error(runs[case].wait(), BAD_INPUT[case][2].format(**fill))
 
 
 def test_a_rank_that_dies_ends_the_whole_job_quickly():
