@@ -75,6 +75,9 @@ def main():
         model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device=device,
                         dtype=training.dtype(args))
         param_count = sum(p.numel() for p in model.parameters())
+        if args.compile:  # each block in place, so its class and parameter names stay (torchtitan compiles per block)
+            for block in model.blocks:
+                block.compile()
 
         # ---- wrap: DDP keeps a full replica here and averages gradients across ranks ----
         model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
@@ -93,7 +96,8 @@ def main():
         )
 
         # ---- train loop ----
-        progress = training.Progress(total_steps, global_batch_size, rank, args.log_every, start_step=resumed["step"])
+        progress = training.Progress(total_steps, global_batch_size, rank, args.log_every, device,
+                                     start_step=resumed["step"])
         window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device: no per-step sync
         test_loss = test_accuracy = None  # stay None with --no-eval
         first_epoch, first_step_in_epoch = resumed["epoch"], resumed["samples_into_epoch"] // global_batch_size

@@ -102,6 +102,11 @@ def main():
                 f"--schedule zbv trains, but its forward-only evaluation fails on torch {torch.__version__} "
                 "(\"can't steal_bwd_input if this stage doesn't have backward\"); add --no-eval"
             )
+        if args.compile:
+            # Seen on torch 2.14: compiled blocks may return non-contiguous activations, which the stages'
+            # send refuses ("input tensor has to be contiguous").
+            raise training.UsageError("--compile is for train_ddp.py and train_fsdp.py: the pipeline's stages cannot "
+                                      "send the non-contiguous activations compiled blocks may return")
         if args.data_parallel > 1 and args.schedule != "1f1b":
             # Seen on torch 2.14: with DDP inside the stages, gpipe and the multi-stage schedules fail in
             # DDP's reducer (its bucket rebuild expects one forward per backward); 1f1b trains exactly.
@@ -188,7 +193,8 @@ def main():
         )
 
         # ---- train loop ----
-        progress = training.Progress(total_steps, global_batch_size, rank, args.log_every, start_step=resumed["step"])
+        progress = training.Progress(total_steps, global_batch_size, rank, args.log_every, device,
+                                     start_step=resumed["step"])
         window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device: no per-step sync
         test_loss = test_accuracy = None  # stay None with --no-eval
         first_epoch, first_step_in_epoch = resumed["epoch"], resumed["samples_into_epoch"] // global_batch_size

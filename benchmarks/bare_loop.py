@@ -2,12 +2,14 @@
 batches of the same model and data, and nothing else. Prints a JSON line with samples/s.
 
     OMP_NUM_THREADS=1 python benchmarks/bare_loop.py --steps 300 --batch-size 64
+    python benchmarks/bare_loop.py --device cuda --steps 1000 --batch-size 512 [--precision bf16] [--compile]
 """
 
 import argparse
 import json
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -21,16 +23,40 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=300)
 parser.add_argument("--batch-size", type=int, default=64)
 parser.add_argument("--width", type=int, default=1)
+parser.add_argument("--device", default="cpu", help="cpu or cuda")
+parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+parser.add_argument("--compile", action="store_true", help="torch.compile each block, as the scripts' --compile does")
+parser.add_argument("--warmup", type=int, default=None,
+                    help="steps before the clock starts (default 30 on a GPU, 0 on a CPU)")
 args = parser.parse_args()
 
-batches = premade.batches(args.steps, args.batch_size, seed=0)  # no data work in the loop
+device = torch.device(args.device)
+synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+# At most 64 distinct batches, made before the clock starts and cycled: no data work in the loop.
+batches = [(x.to(device), y.to(device)) for x, y in premade.batches(min(args.steps, 64), args.batch_size, seed=0)]
 torch.manual_seed(0)
-model = BabyCNN(width=args.width)
+model = BabyCNN(width=args.width, device=device)
+if args.compile:
+    for block in model.blocks:
+        block.compile()
 optimizer = premade.optimizer(model.parameters())
+autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" else nullcontext()
+
+
+def train(steps):
+    for step in range(steps):
+        x, y = batches[step % len(batches)]
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+
+
+train(args.warmup if args.warmup is not None else (30 if device.type == "cuda" else 0))
+synchronize()
 start = time.perf_counter()
-for x, y in batches:
-    optimizer.zero_grad(set_to_none=True)
-    F.cross_entropy(model(x), y).backward()
-    optimizer.step()
+train(args.steps)
+synchronize()  # the clock stops when the GPU has done the work, not when the last kernel was queued
 seconds = time.perf_counter() - start
 print(json.dumps({"samples_per_second": args.steps * args.batch_size / seconds, "seconds": seconds}))

@@ -5,8 +5,10 @@
     python benchmarks/compare.py --steps 2000 --width 32 --max-ranks 8   # on a GPU node
 
 Every configuration runs the real script under torchrun (or plain python for the one-process
-baseline) with one thread per process, on the synthetic set, with the same seed. Prints a Markdown
-table and writes results.json, results.md and results.png to --out.
+baseline) with one thread per process, on the synthetic set, with the same seed. Figures 1 to 5
+are measured on the CPU (--device cpu), whatever the machine has; where torch sees GPUs, figure 6
+measures the bare loop and the scripts on them. Prints a Markdown table and writes results.json,
+results.md and results.png to --out.
 """
 
 import argparse
@@ -19,6 +21,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,12 +58,16 @@ class Bench:
         print(f"[{self.done}/{self.total}] {what}", flush=True)
 
     def train(self, script, ranks, *flags, repeat=0):
-        """Run a training script under torchrun (once per configuration and repeat); return its metrics."""
+        """Run a training script under torchrun, or plain python for one process (once per configuration
+        and repeat); return its metrics."""
         key = (script, ranks, *map(str, flags), repeat)
         if key not in self.cache:
             metrics = self.scratch / f"m{self.done}.json"
             common = ["--dataset", "synthetic", "--seed", "0", "--no-eval", "--metrics", metrics]
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", ROOT / script]
+            if "--device" not in flags:
+                common += ["--device", "cpu"]  # figures 1 to 5 are the CPU's, also on a GPU machine
+            launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
+            command = [sys.executable, *launcher, ROOT / script]  # one process: plain python, as the README's first command
             self.progress(f"{script} on {ranks} process(es) {' '.join(map(str, flags))}")
             launch(command + common + [str(f) for f in flags], self.args.timeout)
             self.cache[key] = json.loads(metrics.read_text())
@@ -86,6 +94,7 @@ def main():
     parser.add_argument("--microbatches", default=None, help="comma-separated microbatch counts (default 2,4,8,16; quick 4)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="rounds of the throughput runs (figures 1 and 3), interleaved; medians are reported (default 3, quick 1)")
+    parser.add_argument("--gpu-steps", type=int, default=None, help="optimizer steps per GPU run (default 1000, quick 50)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds one configuration may take")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
@@ -99,6 +108,8 @@ def main():
     bench = Bench(args)
     # Configurations to run (identical ones run once: at width 1 the memory runs are the scaling runs).
     bench.total = 6 * repeats + 2 + (1 + len(ranks_for_memory) if width > 1 else sum(n > 2 for n in ranks_for_memory)) + 3 * len(microbatches)
+    gpus = torch.cuda.device_count()
+    bench.total += 10 if gpus else 0
     batch = ["--batch-size", args.batch_size, "--max-steps", steps, "--epochs", 1000]
     results = {"machine": machine(), "steps": steps, "batch_size": args.batch_size}
 
@@ -161,6 +172,10 @@ def main():
             })
     results["loss_curves"] = {**curves, "pipeline 1f1b (2 stages)": results["pipeline"]["rows"][-1]["loss_curve"]}
 
+    # 6. GPUs, where there are any.
+    if gpus:
+        results["gpu"] = gpu_figures(bench, args.gpu_steps or (50 if args.quick else 1000), min(2, gpus))
+
     ratios = [results["overhead"]["ratio"], results["data_path"]["ratio"], *(results["scaling"][k]["ratio"] for k in ("ddp", "fsdp", "ceiling")),
               *results["scaling"]["ddp_step"].values(),
               *(row["ratio_to_ddp_over_n"] for row in results["memory"]["fsdp"].values()), *(row["ratio"] for row in results["pipeline"]["rows"])]
@@ -174,10 +189,33 @@ def main():
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'results.png'}")
 
 
+def gpu_figures(bench, steps, ranks):
+    """6. On GPUs: the bare loop, train_ddp.py in fp32, bf16 and compiled at batch 64 and 512 on one
+    GPU, and FSDP and the pipeline on ``ranks`` GPUs; steady-state samples/s and peak memory."""
+    on_gpu = ["--device", "cuda", "--max-steps", steps, "--epochs", 1000]
+    rows, bare = [], {}
+    for batch in (64, 512):
+        bare[batch] = bench.helper("bare_loop.py", "--device", "cuda", "--steps", steps, "--batch-size", batch)["samples_per_second"]
+        rows.append({"run": "bare loop (fp32)", "ranks": 1, "batch_size": batch, "samples_per_second": bare[batch],
+                     "steady_samples_per_second": bare[batch], "peak_memory_bytes": None})
+        for label, flags in (("fp32", []), ("bf16", ["--precision", "bf16"]), ("fp32, --compile", ["--compile"])):
+            metrics = bench.train("train_ddp.py", 1, *on_gpu, "--batch-size", batch, *flags)
+            rows.append(_gpu_row(f"train_ddp.py ({label})", 1, batch, metrics))
+    for script in ("train_fsdp.py", "train_pippy.py"):
+        rows.append(_gpu_row(f"{script} (fp32)", ranks, 64, bench.train(script, ranks, *on_gpu, "--batch-size", 64)))
+    for row in rows:
+        row["vs_bare_loop"] = row["steady_samples_per_second"] / bare[row["batch_size"]] if row["steady_samples_per_second"] else None
+    return {"name": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "steps": steps, "rows": rows}
+
+
+def _gpu_row(run, ranks, batch, metrics):
+    return {"run": run, "ranks": ranks, "batch_size": batch, "samples_per_second": metrics["samples_per_second"],
+            "steady_samples_per_second": metrics["steady_samples_per_second"],
+            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in metrics["ranks"])}
+
+
 def machine():
     import platform
-
-    import torch
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
@@ -214,6 +252,17 @@ def markdown(r):
         lines.append(f"| 5. pipeline: {row['schedule']}, p = {r['pipeline']['stages']}, m = {row['microbatches']} | "
                      f"{row['measured_step_seconds'] * 1000:.1f} ms/step | ideal (m+p−1)·t_stage {row['ideal_step_seconds'] * 1000:.1f} ms "
                      f"(bubble {row['bubble_fraction']:.0%}) | {row['ratio']:.2f} | |")
+    if "gpu" in r:
+        g = r["gpu"]
+        lines += ["", f"Measured on a GPU: {g['gpus']} × {g['name']}; {g['steps']} steps per run, synthetic data, "
+                  "steady state from the first logging point past a tenth of the run.", "",
+                  "| 6. run | GPUs | batch per rank | samples/s, whole run | samples/s, steady state | vs bare loop | peak memory per rank |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for row in g["rows"]:
+            vs = f"{row['vs_bare_loop']:.2f}" if row["vs_bare_loop"] else ""
+            memory = f"{row['peak_memory_bytes'] / 2**20:,.0f} MiB" if row["peak_memory_bytes"] else ""
+            steady = f"{row['steady_samples_per_second']:,.0f}" if row["steady_samples_per_second"] else ""
+            lines.append(f"| {row['run']} | {row['ranks']} | {row['batch_size']} | {row['samples_per_second']:,.0f} | {steady} | {vs} | {memory} |")
     return "\n".join(lines) + "\n"
 
 

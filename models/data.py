@@ -122,7 +122,8 @@ def _check_node(name, data_dir, download):
                 (train_images, _), (test_images, _) = (_read(wanted, data_dir, train) for train in (True, False))
                 if train_images.shape[1:] != test_images.shape[1:]:
                     raise DataError(f"{wanted} in {answer['data_dir']} has training images of shape "
-                                    f"{tuple(train_images.shape[1:])} but test images of {tuple(test_images.shape[1:])}")
+                                    f"{tuple(train_images.shape[1:])} but test images of "
+                                    f"{tuple(test_images.shape[1:])}")
             except DataError as error:
                 answer["broken"] = str(error)
     return answer

@@ -49,9 +49,8 @@ def fail_cleanly(main):
     try:
         main()
     except (UsageError, data.DataError) as error:
-        speaker = int(os.environ.get("LOCAL_RANK", "0")) if isinstance(error, NodeError) else launched_rank()
-        if speaker == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-            print(f"error: {error}", file=sys.stderr, flush=True)
+        local = isinstance(error, NodeError)
+        say_once(f"error: {error}", rank=int(os.environ.get("LOCAL_RANK", "0")) if local else launched_rank())
         sys.exit(2)
     finally:
         # DDP and FSDP modules sit in reference cycles that keep the process group (and gloo's
@@ -61,10 +60,15 @@ def fail_cleanly(main):
         gc.collect()
 
 
+def say_once(line, rank):
+    """Print ``line`` to stderr from the process whose ``rank`` is 0, on torchrun's first attempt only."""
+    if rank == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse prints usage + error on every rank; we print one line once
-        if launched_rank() == 0:
-            print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
+        say_once(f"error: {message} (see --help)", rank=launched_rank())
         sys.exit(2)
 
 
@@ -113,6 +117,8 @@ def parser(description):
     add("--precision", choices=("fp32", "bf16", "fp64"), default="fp32",
         help="bf16: autocast the forward pass to bfloat16; fp64: the whole model in float64 (slow; the tests use "
         "it to compare strategies far above float32's rounding)")
+    add("--compile", action="store_true",
+        help="torch.compile each of BabyCNN's blocks in place, before wrapping (compiles on the first steps)")
     add("--width", type=_positive_int, default=1, help="BabyCNN channel multiplier (parameters grow with its square)")
     add("--seed", type=int, default=0, help="same initial weights and data order on every rank")
     add("--log-every", type=_positive_int, default=20, help="optimizer steps between all-reduced loss readings")
@@ -165,7 +171,8 @@ def use_cuda(device_flag, local_rank):
         shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
         way_out = (f"start at most {gpus} per node (NPROC_PER_NODE={gpus})" if gpus
                    else "use a machine with GPUs and a CUDA build of torch")
-        need = f"{processes} processes on this node need {processes} GPUs" if processes > 1 else "--device cuda needs a GPU"
+        need = (f"{processes} processes on this node need {processes} GPUs" if processes > 1
+                else "--device cuda needs a GPU")
         raise NodeError(f"{need}, but torch sees {gpus}{shown}: "
                         f"{way_out}, or train on the CPU with --device cpu")
     return True
@@ -256,9 +263,18 @@ def check_output_paths(args):
 
 
 class Progress:
-    """Rank 0's progress bar, the training clock (evaluation excluded) and the loss curve."""
+    """Rank 0's progress bar, the training clock (evaluation excluded) and the loss curve.
 
-    def __init__(self, total_steps, global_batch_size, rank, log_every, start_step=0):
+    On a GPU the clock is read after ``torch.cuda.synchronize()``: kernels run asynchronously, so
+    an unsynchronised clock times their launch, not their work. It is read only at epoch edges and
+    logging windows (where the loss comes to the host anyway), never per step.
+
+    Two rates: the whole run's, and the steady state's, from the first logging point past a tenth
+    of the run (at least one window) to the end: the first steps pay for lazy initialisation,
+    cuDNN's algorithm search and the allocator's growth.
+    """
+
+    def __init__(self, total_steps, global_batch_size, rank, log_every, device, start_step=0):
         self.total_steps, self.global_batch_size, self.log_every = total_steps, global_batch_size, log_every
         # In a log file (not a terminal) a redraw every 10 s is plenty.
         refresh = 0.1 if sys.stderr.isatty() else 10
@@ -268,19 +284,35 @@ class Progress:
         self.train_seconds, self.loss_curve = 0.0, []
         self.final_train_loss = float("nan")
         self._started = None
+        self._synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self._warmup_steps = max(log_every, (total_steps - start_step) // 10)
+        self._steady_from = None  # (step, training seconds) where the steady-state clock starts
+
+    def _clock(self):
+        self._synchronize()
+        return time.perf_counter()
+
+    def _training_seconds(self):
+        return self.train_seconds + (self._clock() - self._started if self._started is not None else 0.0)
 
     def start_epoch(self):
-        self._started = time.perf_counter()
+        self._started = self._clock()
 
     def end_epoch(self):
-        self.train_seconds += time.perf_counter() - self._started
+        self.train_seconds += self._clock() - self._started
         self._started = None
         if self.step == self.total_steps:
             self.bar.close()  # before the last evaluation, so the bar's rate is the training rate
 
     def samples_per_second(self):
-        running = time.perf_counter() - self._started if self._started is not None else 0.0
-        return (self.step - self.start_step) * self.global_batch_size / max(self.train_seconds + running, 1e-9)
+        return (self.step - self.start_step) * self.global_batch_size / max(self._training_seconds(), 1e-9)
+
+    def steady_samples_per_second(self):
+        """Samples per second after the warm-up steps; None when the run was too short to have any."""
+        if self._steady_from is None or self.step == self._steady_from[0]:
+            return None
+        step, seconds = self._steady_from
+        return (self.step - step) * self.global_batch_size / max(self._training_seconds() - seconds, 1e-9)
 
     def update(self, end_of_epoch):
         """Count one optimizer step; True when the loss window should be reduced and logged."""
@@ -291,6 +323,8 @@ class Progress:
     def record_loss(self, loss, label):
         self.final_train_loss = loss
         self.loss_curve.append([self.step, loss])
+        if self._steady_from is None and self.step - self.start_step >= self._warmup_steps:
+            self._steady_from = (self.step, self._training_seconds())
         self.bar.set_postfix({label: f"{loss:.4f}", "samples/s": f"{self.samples_per_second():.0f}"})
 
     def close(self):
@@ -300,6 +334,8 @@ class Progress:
         return {
             "steps": self.step,
             "samples_per_second": self.samples_per_second(),
+            "steady_samples_per_second": self.steady_samples_per_second(),
+            "steady_from_step": self._steady_from[0] if self._steady_from else None,
             "train_seconds": self.train_seconds,
             "final_train_loss": self.final_train_loss,
             "loss_curve": self.loss_curve,

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import (
-    EQUIVALENCE, ROOT, Run, assert_one_line_error, assert_same_math, free_port, launch, launcher_env, load_weights,
+    EQUIVALENCE, ROOT, Run, assert_one_line_error, assert_same_math, child_env, free_port, launch, launcher_env,
+    load_weights,
     max_difference, mnist_args, python, succeeded, torchrun, worker_pids,
 )
 from models import BabyCNN
@@ -73,9 +74,8 @@ def test_two_nodes_with_their_own_data_train_like_one_node_with_two_processes(tw
 @pytest.mark.parametrize("dataset", ["mnist", "auto"])
 def test_a_node_without_the_files_stops_every_node_or_none(dataset, mnist_dir, tmp_path):
     metrics_path = tmp_path / "metrics.json"
-    # MAX_RESTARTS=1: torchrun restarts the failed workers once, and they must not say it again.
     nodes = two_nodes(tmp_path, mnist_dir, (True, False), "--dataset", dataset, "--max-steps", "40",
-                      "--metrics", metrics_path, MAX_RESTARTS=1)
+                      "--metrics", metrics_path, MAX_RESTARTS=0)
     for node in nodes:
         node.wait()
     output = nodes[0].output + nodes[1].output
@@ -108,6 +108,8 @@ def test_short_run_learns_with_all_reduced_loss_and_metrics(mnist_dir, tmp_path)
     assert curve[-1] < curve[0] / 3, curve
     assert metrics["test_accuracy"] > 0.7  # chance is 0.1
     assert metrics["samples_per_second"] > 0 and metrics["final_train_loss"] == curve[-1]
+    # The steady-state clock starts at the first logging point past a tenth of the 100 steps: step 20.
+    assert metrics["steady_from_step"] == 20 and metrics["steady_samples_per_second"] > 0
     # Every rank holds everything: weights + gradients + two AdamW moments = 4 x the parameters.
     assert [r["rank"] for r in metrics["ranks"]] == [0, 1]
     for record in metrics["ranks"]:
@@ -120,7 +122,8 @@ def test_short_run_learns_with_all_reduced_loss_and_metrics(mnist_dir, tmp_path)
 
 def test_bf16_autocast_trains(mnist_dir, tmp_path):
     metrics_path = tmp_path / "metrics.json"
-    run = python("train_ddp.py", *mnist_args(mnist_dir), "--precision", "bf16", "--max-steps", "30", "--log-every", "10", "--metrics", metrics_path)
+    run = python("train_ddp.py", *mnist_args(mnist_dir), "--precision", "bf16", "--batch-size", "32", "--max-steps", "30",
+                 "--log-every", "10", "--metrics", metrics_path)
     succeeded(run)
     metrics = json.loads(metrics_path.read_text())
     assert metrics["precision"] == "bf16"
@@ -159,8 +162,15 @@ def test_bad_input_is_one_line_from_rank_zero(case, bad_input_runs):
     assert_one_line_error(runs[case].wait(), BAD_INPUT[case][2].format(**fill))
 
 
-def test_a_rank_that_dies_ends_the_whole_job_quickly():
-    run = torchrun("train_ddp.py", 2, "--dataset", "synthetic", "--epochs", "5")
+def test_workers_restarted_by_torchrun_do_not_repeat_the_error_line(mnist_dir):
+    # torchrun tells a restarted worker its attempt in TORCHELASTIC_RESTART_COUNT; the first said it.
+    for flags in (["--batch-size", "0"], ["--dataset", "mnist", "--no-download", "--data-dir", mnist_dir / "missing"]):
+        run = python("train_ddp.py", *flags, env=child_env(TORCHELASTIC_RESTART_COUNT=1)).wait()
+        assert run.returncode == 2 and "error:" not in run.output, run.output
+
+
+def test_a_rank_that_dies_ends_the_whole_job_quickly(mnist_dir):
+    run = torchrun("train_ddp.py", 2, *mnist_args(mnist_dir), "--epochs", "50")
     run.wait_for_text("DDP on 2 rank(s)")
     time.sleep(1)  # into the training loop, where rank 0 waits on rank 1 in every all-reduce
     workers = worker_pids(run.process.pid)
@@ -170,7 +180,7 @@ def test_a_rank_that_dies_ends_the_whole_job_quickly():
     run.wait(timeout=TIMEOUT_AFTER_KILL + (killed - run.started))
     assert run.returncode != 0
     assert time.monotonic() - killed < TIMEOUT_AFTER_KILL
-    assert "epoch 5:" not in run.output
+    assert "epoch 50:" not in run.output
 
 
 TIMEOUT_AFTER_KILL = 60

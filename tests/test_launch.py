@@ -9,12 +9,14 @@ def test_the_process_count_is_the_gpus_torch_sees_not_those_nvidia_smi_lists(mni
     # nvidia-smi lists every GPU of the machine, also those CUDA_VISIBLE_DEVICES hides (here: all of them).
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "nvidia-smi").write_text('#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo "GPU $i: NVIDIA H100 (UUID: GPU-$i)"; done\n')
+    (fake / "nvidia-smi").write_text(
+        '#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo "GPU $i: NVIDIA H100 (UUID: GPU-$i)"; done\n')
     (fake / "nvidia-smi").chmod(0o755)
     env = launcher_env()
     env.pop("NPROC_PER_NODE", None)
     env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
-    run = succeeded(Run(["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), "--max-steps", "1", "--no-eval"], env=env))
+    run = succeeded(Run(["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), "--max-steps", "1", "--no-eval"],
+                        env=env))
     assert "DDP on 2 rank(s)" in run.output  # no GPU for torch: 2 CPU processes, not 8
 
 

@@ -8,7 +8,7 @@ from conftest import (
     EQUIVALENCE, assert_one_line_error, assert_same_math, launch, load_weights, mnist_args, succeeded, torchrun,
 )
 
-ACCUMULATE = ["--batch-size", "16", "--grad-accum", "2"]  # 2 micro-steps of 16, each in 8 microbatches
+ACCUMULATE = ["--batch-size", "16", "--grad-accum", "2", "--microbatches", "4"]  # 2 micro-steps of 4 microbatches
 # name: (ranks, flags); every layout has global batch 32. Every schedule runs with accumulation (where the
 # schedule's own gradient scaling went wrong), and 4 stages without.
 LAYOUTS = {
@@ -70,6 +70,7 @@ BAD_LAYOUTS = {  # case: (processes, flags, the error line it must give); one pr
     "single-stage-schedule": (1, ["--schedule", "gpipe", "--stages-per-rank", "2"], "--schedule gpipe runs one stage per rank"),
     "zbv-eval": (1, ["--schedule", "zbv"], "--schedule zbv trains, but its forward-only evaluation fails"),
     "replicas": (1, ["--data-parallel", "3"], "--data-parallel 3 must be a positive divisor of the world size 1"),
+    "compile": (1, ["--compile"], "--compile is for train_ddp.py and train_fsdp.py"),
 }
 
 
