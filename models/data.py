@@ -195,8 +195,8 @@ def _read(name, data_dir, train):
         dataset = torchvision.datasets.CIFAR10(data_dir, train=train, download=False)
         images = torch.as_tensor(dataset.data).permute(0, 3, 1, 2)  # (N, H, W, C) as a numpy array
         return images.contiguous(), torch.as_tensor(dataset.targets, dtype=torch.int64)
-    # MNIST and Fashion-MNIST: read the IDX files directly (the format is a header and raw bytes),
-    # which is faster than torchvision's reader and checks what torchvision does not.
+    # MNIST and Fashion-MNIST: read the IDX files directly (a header, then raw bytes), checking what
+    # torchvision's reader does not: counts that match, labels in range, files of the right length.
     raw = os.path.join(data_dir, _TORCHVISION[name], "raw")
     prefix = "train" if train else "t10k"
     images_path = os.path.join(raw, f"{prefix}-images-idx3-ubyte")
