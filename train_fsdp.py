@@ -37,7 +37,7 @@ def main():
     parser.add_argument("--sharding", choices=("full", "grad-op", "hybrid"), default="full",
                         help="full: FULL_SHARD; grad-op: SHARD_GRAD_OP (keep gathered weights from forward to "
                         "backward); hybrid: HSDP, shard inside groups, replicate across them")
-    parser.add_argument("--replicate-degree", type=int, default=None,
+    parser.add_argument("--replicate-degree", type=training.positive_int, default=None,
                         help="hybrid only: number of replica groups (default: one per node)")
     parser.add_argument("--cpu-offload", action="store_true",
                         help="keep shards and optimizer state in CPU memory (GPUs only)")

@@ -51,10 +51,11 @@ SCHEDULES = {
 def main():
     parser = training.parser(__doc__.splitlines()[0])
     parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b")
-    parser.add_argument("--microbatches", type=int, default=8, help="microbatches each --batch-size is split into")
-    parser.add_argument("--stages-per-rank", type=int, default=None,
+    parser.add_argument("--microbatches", type=training.positive_int, default=8,
+                        help="microbatches each --batch-size is split into")
+    parser.add_argument("--stages-per-rank", type=training.positive_int, default=None,
                         help="stages on each rank (default: 1 for gpipe and 1f1b, 2 for the others)")
-    parser.add_argument("--data-parallel", type=int, default=1,
+    parser.add_argument("--data-parallel", type=training.positive_int, default=1,
                         help="D pipeline replicas; world size = D x pipeline ranks")
     args = parser.parse_args()
 

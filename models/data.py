@@ -234,6 +234,8 @@ def _read_idx(path, dimensions):
     if len(data) != expected:
         state = "is truncated" if len(data) < expected else "is longer than its header says"
         raise DataError(f"{path} {state}: shape {shape} needs {expected:,} bytes, the file has {len(data):,}")
+    if expected == header:  # no items at all: frombuffer refuses an empty buffer
+        return torch.empty(shape, dtype=torch.uint8)
     return torch.frombuffer(bytearray(data[header:]), dtype=torch.uint8).view(shape)
 
 

@@ -72,7 +72,8 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _positive_int(text):
+def positive_int(text):
+    """argparse type: an integer of 1 or more (the scripts' own flags use it too)."""
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
@@ -83,6 +84,20 @@ def _non_negative_int(text):
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be zero or more, got {value}")
+    return value
+
+
+def _non_negative_float(text):
+    value = float(text)
+    if not value >= 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, got {text}")
+    return value
+
+
+def _momentum(text):
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, got {text}")
     return value
 
 
@@ -101,16 +116,16 @@ def parser(description):
         help="auto: MNIST if on disk or downloadable, else synthetic")
     add("--data-dir", default="./data", help="where torchvision datasets are read from and downloaded to")
     add("--no-download", action="store_true", help="never use the network; use only files already in --data-dir")
-    add("--epochs", type=_positive_int, default=2)
+    add("--epochs", type=positive_int, default=2)
     add("--max-steps", type=_non_negative_int, default=0, help="stop after this many optimizer steps (0: no limit)")
-    add("--batch-size", type=_positive_int, default=64, help="samples per micro-step on each data-parallel replica")
-    add("--grad-accum", type=_positive_int, default=1, help="micro-steps accumulated per optimizer step")
+    add("--batch-size", type=positive_int, default=64, help="samples per micro-step on each data-parallel replica")
+    add("--grad-accum", type=positive_int, default=1, help="micro-steps accumulated per optimizer step")
     add("--optimizer", choices=("adamw", "sgd"), default="adamw")
     add("--lr", type=_positive_float, default=None, help="peak learning rate (default: 1e-3 for adamw, 0.05 for sgd)")
-    add("--momentum", type=float, default=0.9, help="SGD momentum")
-    add("--weight-decay", type=float, default=None, help="(default: 0.01 for adamw, 5e-4 for sgd)")
+    add("--momentum", type=_momentum, default=0.9, help="SGD momentum")
+    add("--weight-decay", type=_non_negative_float, default=None, help="(default: 0.01 for adamw, 5e-4 for sgd)")
     add("--scale-lr", action="store_true", help="linear scaling rule: lr *= global_batch_size / base_batch_size")
-    add("--base-batch-size", type=_positive_int, default=64, help="the global batch size --lr was tuned for")
+    add("--base-batch-size", type=positive_int, default=64, help="the global batch size --lr was tuned for")
     add("--warmup-steps", type=_non_negative_int, default=0, help="ramp the lr linearly over this many optimizer steps")
     add("--device", choices=("auto", "cuda", "cpu"), default="auto",
         help="auto: the GPU cuda:LOCAL_RANK when CUDA is available (NCCL), else the CPU (gloo)")
@@ -119,13 +134,13 @@ def parser(description):
         "it to compare strategies far above float32's rounding)")
     add("--compile", action="store_true",
         help="torch.compile each of BabyCNN's blocks in place, before wrapping (compiles on the first steps)")
-    add("--width", type=_positive_int, default=1, help="BabyCNN channel multiplier (parameters grow with its square)")
+    add("--width", type=positive_int, default=1, help="BabyCNN channel multiplier (parameters grow with its square)")
     add("--seed", type=int, default=0, help="same initial weights and data order on every rank")
-    add("--log-every", type=_positive_int, default=20, help="optimizer steps between all-reduced loss readings")
+    add("--log-every", type=positive_int, default=20, help="optimizer steps between all-reduced loss readings")
     add("--no-eval", action="store_true", help="skip the test-set evaluation after each epoch (for measurements)")
     add("--checkpoint-dir", metavar="DIR", help="save checkpoints here, and resume from the newest one found there")
-    add("--checkpoint-every", type=_positive_int, default=100, help="optimizer steps between checkpoints")
-    add("--keep-checkpoints", type=_positive_int, default=2, help="how many of the newest checkpoints to keep")
+    add("--checkpoint-every", type=positive_int, default=100, help="optimizer steps between checkpoints")
+    add("--keep-checkpoints", type=positive_int, default=2, help="how many of the newest checkpoints to keep")
     add("--save", metavar="PATH", help="write the final weights as a plain state dict (rank 0)")
     add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")
     return p
@@ -225,6 +240,9 @@ def _write_atomically(path, write):
             write(file)
             file.flush()
             os.fsync(file.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)  # mkstemp makes it 0600: give it the mode open() would
         os.replace(temporary, path)
     except BaseException:
         os.unlink(temporary)
@@ -238,14 +256,27 @@ def save_state_dict(state_dict, path):
 
 
 def check_output_paths(args):
-    """Fail at start-up, not after training, when --save or --metrics cannot be written.
+    """Fail at start-up, not after training, when --save, --metrics or --checkpoint-dir cannot be written.
 
-    Rank 0 (the only writer) tries a real write beside each path and tells the others the verdict.
+    Rank 0 tries a real write beside each file (in the checkpoint directory) and tells the others the verdict.
     """
     import torch.distributed as dist
 
     verdict = [None]
     if dist.get_rank() == 0:
+        if args.save and args.metrics and os.path.abspath(args.save) == os.path.abspath(args.metrics):
+            verdict[0] = (f"--save and --metrics are both {args.save}: the metrics would replace the weights; "
+                          "give two paths")
+        if args.checkpoint_dir and verdict[0] is None:
+            try:
+                if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+                    raise NotADirectoryError("it is a file, not a directory")
+                os.makedirs(args.checkpoint_dir, exist_ok=True)
+                probe = os.path.join(args.checkpoint_dir, ".write-test")
+                _write_atomically(probe, lambda file: None)
+                os.unlink(probe)
+            except OSError as error:
+                verdict[0] = f"--checkpoint-dir {args.checkpoint_dir}: cannot write there ({error.strerror or error})"
         for flag, path in (("--save", args.save), ("--metrics", args.metrics)):
             if path and verdict[0] is None:
                 probe = os.path.join(os.path.dirname(os.path.abspath(path)), ".write-test")
@@ -321,6 +352,10 @@ class Progress:
         return self.step % self.log_every == 0 or self.step == self.total_steps or end_of_epoch
 
     def record_loss(self, loss, label):
+        if not math.isfinite(loss):  # every rank holds the same all-reduced value, so all stop here
+            self.close()  # end the bar's line, so the error has a line of its own
+            raise UsageError(f"the training loss is {loss} at step {self.step}: training diverged; lower --lr or add "
+                             "--warmup-steps (no weights were saved)")
         self.final_train_loss = loss
         self.loss_curve.append([self.step, loss])
         if self._steady_from is None and self.step - self.start_step >= self._warmup_steps:
