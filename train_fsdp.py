@@ -65,7 +65,7 @@ def main():
         # The device mesh FSDP shards over: every rank in one row, or R replica groups (rows) for hybrid.
         if args.sharding == "hybrid":
             replicas = args.replicate_degree or world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            if replicas < 1 or world_size % replicas:
+            if world_size % replicas:
                 raise training.UsageError(
                     f"--replicate-degree {replicas} must be a positive divisor of the world size {world_size}")
             mesh = init_device_mesh(device.type, (replicas, world_size // replicas),

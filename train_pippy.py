@@ -82,7 +82,7 @@ def main():
         # outermost, as in torchtitan: a stage's D replicas are neighbouring ranks, so on one node where
         # they fit, and the data-parallel all-reduce (every gradient, every step) stays on the fast links;
         # only activations, between neighbouring stages, cross nodes.
-        if args.data_parallel < 1 or world_size % args.data_parallel:
+        if world_size % args.data_parallel:
             raise training.UsageError(
                 f"--data-parallel {args.data_parallel} must be a positive divisor of the world size {world_size}")
         pipeline_ranks = world_size // args.data_parallel
@@ -288,7 +288,7 @@ def main():
 
 def check_microbatches(args, num_stages, pipeline_ranks):
     """Refuse, before any communication, the layouts whose schedules would fail or hang."""
-    if args.microbatches < 1 or args.batch_size % args.microbatches:
+    if args.batch_size % args.microbatches:
         raise training.UsageError(
             f"--batch-size {args.batch_size} does not split into --microbatches {args.microbatches} equal microbatches")
     if args.schedule == "1f1b" and args.microbatches < num_stages:

@@ -73,12 +73,12 @@ def load(name, data_dir, device, local_rank, dtype=torch.float32, download=True,
     rank = dist.get_rank() if dist.is_initialized() else 0
     # Rank 0's node goes first: where the nodes share storage, the others then find the files and
     # download nothing, so no two processes ever write the same files.
-    mine = _check_node(name, data_dir, download) if rank == 0 else None
+    mine, splits = _check_node(name, data_dir, download) if rank == 0 else (None, None)
     answers = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
         if local_rank == 0 and rank != 0:
-            mine = _check_node(name, data_dir, download)
+            mine, splits = _check_node(name, data_dir, download)
         answers = [None] * dist.get_world_size()
         dist.all_gather_object(answers, mine)  # also a barrier: nobody reads before its node has the files
     nodes = [answer for answer in answers if answer is not None]
@@ -86,7 +86,8 @@ def load(name, data_dir, device, local_rank, dtype=torch.float32, download=True,
     if resolved == "synthetic":
         (train_x, train_y), (test_x, test_y) = synthetic_digits(60_000, seed=0), synthetic_digits(10_000, seed=1)
     else:
-        (train_x, train_y), (test_x, test_y) = (_read(resolved, data_dir, train) for train in (True, False))
+        # A node's local rank 0 has read the files already, to check them; the other ranks read them now.
+        (train_x, train_y), (test_x, test_y) = splits or [_read(resolved, data_dir, train) for train in (True, False)]
     # Normalise with the training split's own statistics, computed once on the device.
     train_x, test_x = train_x.to(device), test_x.to(device)
     pixels = train_x.float().div_(255).transpose(0, 1).flatten(1)
@@ -111,7 +112,8 @@ _FILES = {
 
 
 def _check_node(name, data_dir, download):
-    """On each node's local rank 0: this node's name, and why its files are missing or broken (None if fine)."""
+    """On each node's local rank 0: (this node's name and why its files are missing or broken, None
+    if fine; the (train, test) splits it read to check them, or None)."""
     node = f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"
     answer = {"node": node, "data_dir": os.path.abspath(data_dir), "missing": None, "broken": None}
     if name != "synthetic":
@@ -119,14 +121,16 @@ def _check_node(name, data_dir, download):
         answer["missing"] = _ensure_files(wanted, data_dir, download)
         if answer["missing"] is None:
             try:  # every check the ranks' own reads will make, once, here
-                (train_images, _), (test_images, _) = (_read(wanted, data_dir, train) for train in (True, False))
+                splits = [_read(wanted, data_dir, train) for train in (True, False)]
+                (train_images, _), (test_images, _) = splits
                 if train_images.shape[1:] != test_images.shape[1:]:
                     raise DataError(f"{wanted} in {answer['data_dir']} has training images of shape "
                                     f"{tuple(train_images.shape[1:])} but test images of "
                                     f"{tuple(test_images.shape[1:])}")
+                return answer, splits
             except DataError as error:
                 answer["broken"] = str(error)
-    return answer
+    return answer, None
 
 
 def _agree(name, nodes, log):
