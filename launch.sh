@@ -12,29 +12,48 @@
 # NODE_RANK       this node's index, 0..NNODES-1; node 0 hosts the rendezvous (default 0)
 # MASTER_ADDR     node 0's address (required with NNODES > 1); MASTER_PORT its port (default 29500)
 # RDZV_ID         the job's name in the rendezvous, the same on every node (default babycnn)
+# JOIN_TIMEOUT    seconds a node waits for the others before it gives up (default 600, torchrun's own: the
+#                 nodes of one job can start minutes apart); nodes other than 0 first wait that long for node 0
 # MAX_RESTARTS    times torchrun restarts all workers after one fails (default 0 on one node, 3 on
 #                 several); with --checkpoint-dir the restarted workers resume from the last checkpoint
 # OMP_NUM_THREADS CPU threads per process (default: this machine's cores / NPROC_PER_NODE, at least 1)
+# A bad value stops the launch at once with one `error:` line and exit code 2.
 set -euo pipefail
 
 script="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$1"
 shift
 
+# check NAME MIN MAX ALLOWED: $NAME must be a whole number from MIN to MAX. Checked here, one line each:
+# later a bad value gives torchrun's bare AssertionError (0 processes) or bash's "unbound variable" (a word).
+check() {
+    local value=${!1}
+    if [[ ! $value =~ ^(0|[1-9][0-9]{0,8})$ ]] || (( value < $2 || value > $3 )); then
+        echo "error: $1 must be $4, got '$value'" >&2
+        exit 2
+    fi
+}
 NNODES=${NNODES:-1}
+check NNODES 1 999999999 "a positive integer (the number of nodes)"
 NODE_RANK=${NODE_RANK:-0}
+check NODE_RANK 0 $((NNODES - 1)) "0 to $((NNODES - 1)) with NNODES=$NNODES"
 if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
     # A default of 127.0.0.1 would have every node wait for itself until the rendezvous times out.
     echo "error: NNODES=$NNODES needs MASTER_ADDR, node 0's address, the same on every node" \
         "(e.g. MASTER_ADDR=node0 MASTER_PORT=29500)" >&2
     exit 2
 fi
+MASTER_PORT=${MASTER_PORT:-29500}
+check MASTER_PORT 1 65535 "a port number, 1 to 65535"
+if [ "$NNODES" -eq 1 ]; then MAX_RESTARTS=${MAX_RESTARTS:-0}; else MAX_RESTARTS=${MAX_RESTARTS:-3}; fi
+check MAX_RESTARTS 0 999999999 "an integer, 0 or more"
+JOIN_TIMEOUT=${JOIN_TIMEOUT:-600}
+check JOIN_TIMEOUT 1 999999999 "a positive integer (seconds)"
 if [ -z "${NPROC_PER_NODE:-}" ]; then
     # Count the GPUs torch will see: nvidia-smi lists every GPU, also those CUDA_VISIBLE_DEVICES hides.
     gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
     if [ "$gpus" -gt 0 ]; then NPROC_PER_NODE=$gpus; else NPROC_PER_NODE=2; fi
 fi
-MASTER_PORT=${MASTER_PORT:-29500}
-if [ "$NNODES" -eq 1 ]; then MAX_RESTARTS=${MAX_RESTARTS:-0}; else MAX_RESTARTS=${MAX_RESTARTS:-3}; fi
+check NPROC_PER_NODE 1 999999999 "a positive integer (processes on this node)"
 
 # NCCL: a collective stuck on a dead or hung peer becomes an error (and a flight-recorder dump of the
 # last collectives on each rank) instead of a silent hang; torchrun then restarts or ends the job.
@@ -55,9 +74,68 @@ if [ "$NNODES" -eq 1 ]; then
     # --standalone: a private rendezvous on a free local port, no address to agree on.
     exec torchrun --standalone --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" "$script" "$@"
 fi
+
+# Several nodes: what torchrun would report in a 40- to 80-line traceback, or not at all for 10 minutes, is
+# checked here first and said in one line.
+endpoint=$MASTER_ADDR:$MASTER_PORT
+if [ "$NODE_RANK" -eq 0 ]; then
+    # Node 0 hosts the rendezvous store on MASTER_PORT: is the port free here?
+    if ! why=$(python3 -c 'import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does: a port in TIME_WAIT is free
+try:
+    s.bind(("", int(sys.argv[1])))
+except OSError as e:
+    sys.exit(e.strerror)' "$MASTER_PORT" 2>&1); then
+        echo "error: node 0 cannot listen on MASTER_PORT=$MASTER_PORT ($why):" \
+            "pick another MASTER_PORT, the same on every node" >&2
+        exit 2
+    fi
+    others=$([ "$NNODES" -eq 2 ] && echo "node 1" || echo "nodes 1 to $((NNODES - 1))")
+    echo "node 0 of $NNODES: waiting up to JOIN_TIMEOUT=$JOIN_TIMEOUT s at $endpoint for $others to join" >&2
+else
+    # Wait for node 0, however late it starts: torchrun alone gives up after a minute, in some 80 lines.
+    echo "node $NODE_RANK of $NNODES: waiting up to JOIN_TIMEOUT=$JOIN_TIMEOUT s for node 0 at $endpoint" >&2
+    python3 - "$MASTER_ADDR" "$MASTER_PORT" "$JOIN_TIMEOUT" <<'PYTHON' || exit 2
+import socket, sys, time
+host, port, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+try:
+    socket.getaddrinfo(host, port)
+except socket.gaierror as e:
+    sys.exit(f"error: MASTER_ADDR={host} does not resolve on this node ({e.strerror}): give node 0's address")
+deadline = time.monotonic() + timeout
+while True:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            sys.exit(f"error: nothing answered at MASTER_ADDR:MASTER_PORT={host}:{port} within JOIN_TIMEOUT="
+                     f"{timeout} s: start node 0 with the same MASTER_ADDR and MASTER_PORT, or raise JOIN_TIMEOUT")
+        time.sleep(1)
+PYTHON
+fi
+
+# The torchrun below is this function: torchrun's own main(), all output passing through as is, except that a
+# rendezvous timeout (not all NNODES nodes joined within JOIN_TIMEOUT) ends in one error line, not a 40-line
+# traceback. Copied elsewhere, the command line works as it is with the real torchrun.
+torchrun() {
+    local timeout_error="error: not all NNODES=$NNODES nodes joined at $endpoint within JOIN_TIMEOUT=$JOIN_TIMEOUT s:"
+    timeout_error+=" start each with the same MASTER_ADDR, MASTER_PORT and RDZV_ID, or raise JOIN_TIMEOUT"
+    exec python3 -c 'import sys
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+from torch.distributed.run import main
+message = sys.argv.pop(1)
+sys.argv[0] = "torchrun"
+try:
+    main()
+except RendezvousTimeoutError:
+    print(message, file=sys.stderr)
+    sys.exit(2)' "$timeout_error" "$@"
+}
 # c10d rendezvous: every node meets at MASTER_ADDR:MASTER_PORT; node 0 hosts its store.
 is_host=$([ "$NODE_RANK" -eq 0 ] && echo 1 || echo 0)
-exec torchrun --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \
+torchrun --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \
     --max-restarts="$MAX_RESTARTS" \
-    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="${RDZV_ID:-babycnn}" \
-    --rdzv-conf="is_host=$is_host" "$script" "$@"
+    --rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="${RDZV_ID:-babycnn}" \
+    --rdzv-conf="is_host=$is_host,join_timeout=$JOIN_TIMEOUT" "$script" "$@"
