@@ -46,6 +46,7 @@ def main():
         backend = "gloo"
     timeout = timedelta(minutes=10)  # a collective that waits longer than this fails instead of hanging
     if "RANK" in os.environ:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+        training.die_with_launcher()  # a SIGKILLed torchrun cannot stop its workers: they stop themselves
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     else:  # plain `python train_ddp.py`: a group of one, so every line below runs unchanged
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

@@ -12,10 +12,15 @@ A checkpoint is a directory ``step-<N>`` inside ``--checkpoint-dir``:
   ``torch.load(weights_only=False)``).
 
 A save is written into ``.tmp-step-<N>`` and renamed once complete, so a crash mid-save leaves the
-previous checkpoint as it was. Loading takes the newest ``step-<N>``; a stray ``.tmp-*`` is ignored.
-The filesystem must be shared by all ranks (one directory, as on a cluster's shared storage).
+previous checkpoint as it was. ``checkpoint.json`` lists every file's size and SHA-256 (each rank hashes
+the files it wrote): DCP has no checksum of its own, and a damaged file would otherwise load as garbage.
+Loading takes the newest ``step-<N>`` whose files all match (the ranks share the reading); a damaged
+one is moved aside to ``damaged-step-<N>``, never deleted, and the next older one is tried. A stray
+``.tmp-*`` is ignored. The filesystem must be shared by all ranks (one directory, as on a cluster's
+shared storage).
 """
 
+import hashlib
 import json
 import os
 import re
@@ -29,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from models.training import UsageError
 
-FORMAT = 2  # 2: random states per generator (the CPU, and the GPU where one trains)
+FORMAT = 3  # 2: random states per generator (the CPU, and the GPU where one trains); 3: file checksums, dataset
 _NAME = re.compile(r"^step-(\d+)$")
 
 
@@ -37,7 +42,7 @@ class Checkpointer:
     """Save every --checkpoint-every steps into --checkpoint-dir, keep the newest --keep-checkpoints,
     resume from the newest.
 
-    A checkpoint loads only into the same model (BabyCNN's shape) and the same parallelism: DDP and
+    A checkpoint loads only into the same model (BabyCNN's shape), dataset and parallelism: DDP and
     FSDP share one ("data parallel"), so each resumes the other's, at any world size; a pipeline only
     resumes a pipeline with the same number of stages. Anything else is refused with one line
     naming the file. World size and global batch may change.
@@ -48,9 +53,9 @@ class Checkpointer:
         self.device = device
         model = dict(in_channels=dataset.in_channels, num_classes=dataset.num_classes, image_size=dataset.image_size,
                      width=args.width)
-        self.layout = {"model": model, "parallelism": parallelism, "world_size": world_size,
+        self.layout = {"model": model, "dataset": dataset.name, "parallelism": parallelism, "world_size": world_size,
                        "global_batch_size": global_batch_size}
-        self.rank = dist.get_rank()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     # ---- saving ----------------------------------------------------------------------------
 
@@ -69,7 +74,14 @@ class Checkpointer:
         tensors = {"model": model_state, "optimizer": optimizer_state["state"],
                    "rng": {f"rank{self.rank}": self._random_states()}}
         dcp.save(tensors, checkpoint_id=temporary)  # returns once every rank's files and .metadata exist
+        # Each rank hashes the files it wrote (DCP names them __<rank>_<n>.distcp); rank 0 also the rest.
+        mine = [name for name in os.listdir(temporary) if name.startswith(f"__{self.rank}_")]
+        hashed = [None] * self.world_size
+        dist.all_gather_object(hashed, {name: _fingerprint(os.path.join(temporary, name)) for name in mine})
         if self.rank == 0:
+            files = {name: fingerprint for part in hashed for name, fingerprint in part.items()}
+            files.update({name: _fingerprint(os.path.join(temporary, name))
+                          for name in os.listdir(temporary) if name not in files})
             info = {
                 "format": FORMAT,
                 "layout": self.layout,
@@ -80,6 +92,7 @@ class Checkpointer:
                                  for group in optimizer_state["param_groups"]],
                 "scheduler": scheduler.state_dict(),
                 "random_states": sorted(self._random_states()),
+                "files": dict(sorted(files.items())),
             }
             with open(os.path.join(temporary, "checkpoint.json"), "w") as file:
                 json.dump(info, file, indent=2)
@@ -113,17 +126,39 @@ class Checkpointer:
         return sorted(names, key=lambda n: int(_NAME.match(n).group(1)))
 
     def resume(self, model, optimizer, scheduler, log):
-        """Load the newest checkpoint, if any. Returns where training continues: its checkpoint.json
+        """Load the newest intact checkpoint, if any. Returns where training continues: its checkpoint.json
         (step, epoch, samples_into_epoch), or the start of training when there is none."""
-        verdict = [None]
-        if self.rank == 0:
-            verdict[0] = self._read_newest()
-        dist.broadcast_object_list(verdict, src=0)
-        path, info, problem = verdict[0]
-        if problem:
-            raise UsageError(problem)
-        if path is None:
+        names = [self._complete() if self.rank == 0 else None]
+        dist.broadcast_object_list(names, src=0)
+        damaged = []  # (path, what is wrong), newest first
+        for name in reversed(names[0]):
+            path = os.path.join(self.directory, name)
+            verdict = [self._read_manifest(path) if self.rank == 0 else None]
+            dist.broadcast_object_list(verdict, src=0)
+            info, problem, refusal = verdict[0]
+            if refusal:
+                raise UsageError(refusal)
+            if problem is None:
+                problem = self._verify(path, info["files"])
+            if problem is None:
+                break
+            damaged.append((path, problem))
+        else:
+            if damaged:
+                raise UsageError(f"no intact checkpoint in {self.directory}: " +
+                                 "; ".join(f"{os.path.basename(p)}: {why}" for p, why in damaged) +
+                                 "; restore one, or use another --checkpoint-dir to start afresh")
             return {"step": 0, "epoch": 0, "samples_into_epoch": 0}
+        for bad, why in damaged:  # an intact one is older: set the damaged ones aside, for a person to look at
+            if self.rank == 0:
+                aside = _free_name(os.path.join(self.directory, "damaged-" + os.path.basename(bad)))
+                os.replace(bad, aside)
+                log(f"checkpoint {bad} is damaged ({why}): moved it to {aside}; resuming from an older one")
+        self._load(path, info, model, optimizer, scheduler)
+        log(f"resumed from {path} (step {info['step']}, epoch {info['epoch'] + 1})")
+        return self._position(info, log)
+
+    def _load(self, path, info, model, optimizer, scheduler):
         model_state, optimizer_state = get_state_dict(model, optimizer)
         tensors = {"model": model_state, "optimizer": optimizer_state["state"]}
         same_world = info["layout"]["world_size"] == self.layout["world_size"]
@@ -139,7 +174,7 @@ class Checkpointer:
             cause = next(iter(failures.values()))[0] if failures else error
             reason = " ".join(str(cause).split())[:160]
             raise UsageError(f"checkpoint {path} is unreadable ({type(cause).__name__}: {reason}); "
-                             "delete it to resume from an older one") from None
+                             "move it away to resume from an older one") from None
         groups = [{**saved, "params": mine["params"]}
                   for saved, mine in zip(info["param_groups"], optimizer_state["param_groups"])]
         set_state_dict(model, optimizer, model_state_dict=tensors["model"],
@@ -147,30 +182,74 @@ class Checkpointer:
         scheduler.load_state_dict(info["scheduler"])
         if same_world:
             self._set_random_states(tensors["rng"][f"rank{self.rank}"])
-        log(f"resumed from {path} (step {info['step']}, epoch {info['epoch'] + 1})")
-        return info
 
-    def _read_newest(self):
-        """On rank 0: (path, checkpoint.json, None), (None, None, None) when there is none, or an error."""
-        names = self._complete()
-        if not names:
-            return None, None, None
-        path = os.path.join(self.directory, names[-1])
+    def _position(self, info, log):
+        """Where this run continues in the epoch. Steps start at multiples of the global batch, so with
+        another global batch the run goes back to the last step start at or before the saved sample:
+        those few samples (fewer than one global batch) are trained on a second time."""
+        saved, batch = info["samples_into_epoch"], self.layout["global_batch_size"]
+        start = saved // batch * batch
+        if start != saved:
+            log(f"the global batch changed from {info['layout']['global_batch_size']} to {batch}: epoch "
+                f"{info['epoch'] + 1} continues at sample {start}, not {saved}, so {saved - start} samples are seen twice")
+        return {**info, "samples_into_epoch": start}
+
+    def _verify(self, path, files):
+        """Collective: every rank checks a share of the files against checkpoint.json; the first problem or None."""
+        problems = [None] * self.world_size
+        mine = sorted(files)[self.rank :: self.world_size]
+        dist.all_gather_object(problems, next(filter(None, (_mismatch(path, n, files[n]) for n in mine)), None))
+        return next(filter(None, problems), None)
+
+    def _read_manifest(self, path):
+        """On rank 0: (checkpoint.json, what is damaged or None, why this run cannot use it or None)."""
         manifest = os.path.join(path, "checkpoint.json")
         try:
             with open(manifest) as file:
                 info = json.load(file)
-            saved = info["layout"]
+            saved, files = info["layout"], info.get("files")
         except (OSError, ValueError, KeyError, TypeError) as error:
-            return None, None, (f"checkpoint {manifest} is unreadable ({error}); "
-                                f"delete {path} to resume from an older one")
+            return None, f"checkpoint.json is unreadable: {error}", None
         if info.get("format") != FORMAT:
-            return None, None, f"checkpoint {manifest} has format {info.get('format')}, this code reads format {FORMAT}"
-        for key in ("model", "parallelism"):
+            return info, None, (f"checkpoint {manifest} has format {info.get('format')}, this code reads format "
+                                f"{FORMAT}; use another --checkpoint-dir")
+        if not isinstance(files, dict) or ".metadata" not in files:
+            return None, "checkpoint.json lists no .metadata file", None
+        for key in ("model", "dataset", "parallelism"):
             if saved.get(key) != self.layout.get(key):
-                return None, None, (
-                    f"checkpoint {manifest} was saved with {key} {saved.get(key)}, "
-                    f"this run has {key} {self.layout.get(key)}; "
-                    f"use another --checkpoint-dir or the same {key}"
-                )
-        return path, info, None
+                return info, None, (f"checkpoint {manifest} was saved with {key} {saved.get(key)}, "
+                                    f"this run has {key} {self.layout.get(key)}; "
+                                    f"use another --checkpoint-dir or the same {key}")
+        return info, None, None
+
+
+def _fingerprint(path):
+    """[size in bytes, SHA-256] of a file, read in 1 MiB pieces."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as file:
+        while piece := file.read(1 << 20):
+            digest.update(piece)
+            size += len(piece)
+    return [size, digest.hexdigest()]
+
+
+def _mismatch(path, name, expected):
+    """What is wrong with file ``name`` of checkpoint ``path`` against its [size, SHA-256], or None."""
+    try:
+        size, digest = _fingerprint(os.path.join(path, name))
+    except OSError as error:
+        return f"{name}: {error.strerror or error}"
+    if size != expected[0]:
+        return f"{name} has {size} bytes, checkpoint.json says {expected[0]}"
+    if digest != expected[1]:
+        return f"{name} does not match its SHA-256 in checkpoint.json"
+    return None
+
+
+def _free_name(path):
+    """``path``, or ``path-2``, ``path-3``... whichever does not exist yet."""
+    candidate, number = path, 1
+    while os.path.exists(candidate):
+        number += 1
+        candidate = f"{path}-{number}"
+    return candidate

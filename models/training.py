@@ -12,6 +12,7 @@ import os
 import resource
 import sys
 import tempfile
+import threading
 import time
 from contextlib import nullcontext
 
@@ -58,6 +59,34 @@ def fail_cleanly(main):
         # that collection can run when threads may no longer take the GIL, and gloo aborts the
         # process ("terminate called without an active exception"). Collect them now instead.
         gc.collect()
+
+
+def die_with_launcher():
+    """Die when the launcher that started this process (torchrun) dies.
+
+    torchrun stops its workers when it exits or gets SIGTERM or SIGINT, but SIGKILL (the OOM killer, a
+    scheduler's hard kill) gives it no chance: its workers would be adopted by another process and
+    train on, writing checkpoints that a restarted job in the same --checkpoint-dir then races with.
+    On Linux the kernel sends this process SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG);
+    elsewhere a daemon thread checks the parent every 0.1 s.
+    """
+    launcher = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != launcher:  # it died before the line above took effect
+            os._exit(1)
+        return
+
+    def watch():
+        while os.getppid() == launcher:
+            time.sleep(0.1)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="die-with-launcher", daemon=True).start()
 
 
 def say_once(line, rank):

@@ -41,6 +41,15 @@ def uninterrupted(mnist_dir, tmp_path_factory):
     return get
 
 
+def alive(pid):
+    """True while ``pid`` runs (a zombie, dead but not yet reaped by its new parent, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def wait_for(path, run, timeout=120):
     start = time.monotonic()
     while not path.exists():
@@ -67,8 +76,14 @@ def test_a_stopped_job_resumes_with_the_same_command(uninterrupted, mnist_dir, t
     args = [*mnist_args(mnist_dir), *LONG, "--batch-size", "16", "--checkpoint-dir", tmp_path / "ck", "--save", tmp_path / "final.pt"]
     first = torchrun("train_ddp.py", 2, *args)
     wait_for(tmp_path / "ck" / "step-30", first)
-    first.kill()  # the whole job, as a preemption would
+    workers = list(worker_pids(first.process.pid).values())
+    os.kill(first.process.pid, signal.SIGKILL)  # torchrun alone, as the OOM killer or a scheduler's hard kill would
     first.wait()
+    # The workers die with their launcher instead of training on (orphans would finish in seconds, and save).
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(workers) == 2 and not any(alive(pid) for pid in workers), first.output[-2000:]
     assert not (tmp_path / "final.pt").exists()
     second = succeeded(torchrun("train_ddp.py", 2, *args))
     resumed = [line for line in second.output.splitlines() if "resumed from" in line]
@@ -131,19 +146,41 @@ def test_a_resharded_resume_continues_training(uninterrupted, mnist_dir, tmp_pat
     assert metrics["final_train_loss"] < 1.0 and metrics["test_accuracy"] > 0.5
 
 
+def test_a_damaged_checkpoint_is_set_aside_and_the_newest_intact_one_resumes(uninterrupted, mnist_dir, tmp_path):
+    checkpoints = copy_checkpoints(uninterrupted("ddp"), tmp_path)
+    data_file = next((checkpoints / "step-40").glob("*.distcp"))
+    damaged = bytearray(data_file.read_bytes())
+    damaged[2000:3024] = bytes(1024)  # 1 KiB overwritten in place, the size unchanged: DCP alone would load it
+    data_file.write_bytes(damaged)
+    # 2 ranks share the checking; 2 x 24 is another global batch than the saved 32, mid-epoch.
+    run = succeeded(torchrun("train_ddp.py", 2, *mnist_args(mnist_dir), *LONG, "--batch-size", "24",
+                             "--checkpoint-dir", checkpoints, "--save", tmp_path / "final.pt"))
+    aside = checkpoints / "damaged-step-40"
+    assert (f"checkpoint {checkpoints}/step-40 is damaged ({data_file.name} does not match its SHA-256 in "
+            f"checkpoint.json): moved it to {aside}") in run.output
+    assert (aside / data_file.name).read_bytes() == damaged  # set aside as it was, never deleted
+    assert f"resumed from {checkpoints}/step-30 (step 30, epoch 2)" in run.output
+    # step 30 ended sample 320 of epoch 2; at global batch 48 the steps start at 0, 48, ..., 288
+    assert "the global batch changed from 32 to 48: epoch 2 continues at sample 288, not 320, so 32 samples" in run.output
+    assert (checkpoints / "step-40" / "checkpoint.json").exists()  # trained on to step 40 and saved it again
+    assert max_difference(load_weights(tmp_path / "final.pt"), load_weights(uninterrupted("ddp") / "final.pt")) > 0
+
+
 def test_bad_checkpoints_are_one_line_errors(uninterrupted, mnist_dir, tmp_path):
-    corrupt = copy_checkpoints(uninterrupted("ddp"), tmp_path / "corrupt")
-    data_file = next((corrupt / "step-40").glob("*.distcp"))
-    data_file.write_bytes(data_file.read_bytes()[:100])
-    garbled = copy_checkpoints(uninterrupted("ddp"), tmp_path / "garbled")
-    (garbled / "step-40" / "checkpoint.json").write_text("{not json")
+    intact = copy_checkpoints(uninterrupted("ddp"), tmp_path / "intact")
+    broken = copy_checkpoints(uninterrupted("ddp"), tmp_path / "broken")
+    (broken / "step-40" / ".metadata").unlink()
+    (broken / "step-30" / "checkpoint.json").write_text("{not json")
     pipeline = copy_checkpoints(uninterrupted("pippy"), tmp_path / "pipeline")
     cases = [  # (processes, script, flags, message): started together, they fail while loading; one process
-        # where the world size does not matter (the corrupt file fails every rank's DCP read at 2)
-        (2, "train_ddp.py", ["--checkpoint-dir", corrupt], f"checkpoint {corrupt}/step-40 is unreadable"),
-        (1, "train_ddp.py", ["--checkpoint-dir", garbled], f"checkpoint {garbled}/step-40/checkpoint.json is unreadable"),
-        (1, "train_ddp.py", ["--checkpoint-dir", corrupt, "--width", "2"],
+        # where the world size does not matter
+        (1, "train_ddp.py", ["--checkpoint-dir", broken],
+         f"no intact checkpoint in {broken}: step-40: .metadata: No such file or directory; step-30: checkpoint.json "
+         "is unreadable: Expecting property name"),
+        (1, "train_ddp.py", ["--checkpoint-dir", intact, "--width", "2"],
          "was saved with model {'in_channels': 1, 'num_classes': 10, 'image_size': 28, 'width': 1}"),
+        (1, "train_ddp.py", ["--checkpoint-dir", intact, "--dataset", "synthetic"],
+         "was saved with dataset mnist, this run has dataset synthetic"),
         (1, "train_ddp.py", ["--checkpoint-dir", pipeline],
          "was saved with parallelism pipeline of 2 stages, this run has parallelism data parallel"),
         (2, "train_pippy.py", ["--checkpoint-dir", pipeline, "--schedule", "looped-bfs"],
@@ -151,5 +188,7 @@ def test_bad_checkpoints_are_one_line_errors(uninterrupted, mnist_dir, tmp_path)
     ]
     runs = [launch(script, processes, *mnist_args(mnist_dir), *LONG, "--batch-size", "16", *flags)
             for processes, script, flags, _ in cases]
-    for run, (*_, message) in zip(runs, cases):
+    for run, (processes, *_, message) in zip(runs, cases):
         assert_one_line_error(run.wait(), str(message))
+        assert processes > 1 or "Traceback" not in run.output  # (torchrun reports a failed worker with one)
+    assert (broken / "step-40").is_dir() and (broken / "step-30").is_dir()  # with none intact, nothing is moved
