@@ -101,6 +101,15 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Append "(default: X)" to a flag's help only when X says something: not for None, nor twice."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def positive_int(text):
     """argparse type: an integer of 1 or more (the scripts' own flags use it too)."""
     value = int(text)
@@ -139,7 +148,7 @@ def _positive_float(text):
 
 def parser(description):
     """The flags all three scripts share; each script adds its own strategy's flags."""
-    p = _Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = _Parser(description=description, formatter_class=_HelpFormatter)
     add = p.add_argument
     add("--dataset", choices=data.DATASETS, default="auto",
         help="auto: MNIST if on disk or downloadable, else synthetic")

@@ -3,6 +3,9 @@
 A case is one line: (script, processes, flags, the error line it must give). One process where the
 world size does not matter. All cases start at once and fail within seconds, before any training
 (except the diverging one, which stops at its first logging window).
+
+Two tables of the same kind live beside what they need: bad launcher variables (an environment, not
+flags) in test_launch.py, and bad checkpoints (made from its uninterrupted runs) in test_checkpoint.py.
 """
 
 import os
