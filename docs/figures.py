@@ -1,0 +1,626 @@
+"""Draw the documentation's pictures from the real PyTorch objects the training scripts use.
+
+    python docs/figures.py              # writes docs/images/*.png and docs/images/figures.json
+    python docs/figures.py --out DIR    # writes the same files into DIR instead (tests/test_figures.py does)
+
+Nothing in a picture is typed in by hand: four gloo processes on this machine (a few seconds, CPU only) run the
+real code the training scripts run, and the pictures draw what they recorded.
+
+  pipeline_schedules.png  every schedule train_pippy.py's --schedule offers, on 2 pipeline ranks and 4
+                          microbatches: the order of actions each rank ran during one real schedule.step()
+  fsdp_shards.png         which rows of each BabyCNN parameter each rank holds after fully_shard, on a 1-D
+                          mesh of 4 ranks (--sharding full) and a 2 x 2 (replicate, shard) mesh (--sharding hybrid)
+  sampler.png             the sample indices DistributedSampler hands each rank in one epoch
+  ring_allreduce.png      ring all-reduce on 4 ranks, simulated here step by step; the script checks that the
+                          simulation's result equals a real dist.all_reduce before drawing it
+  device_mesh.png         how init_device_mesh lays train_pippy.py's (pp, dp) and train_fsdp.py's
+                          (replicate, shard) meshes over 2 nodes x 2 processes
+
+figures.json, written next to the PNGs, holds the exact data each picture draws. tests/test_figures.py
+regenerates it and compares it with the committed one: PNG bytes differ between matplotlib and freetype
+versions, the data does not. When a change to the code or to torch changes a picture, that test fails until
+`python docs/figures.py` is run again and its output committed.
+"""
+
+import argparse
+import itertools
+import json
+import re
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import to_rgb
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage
+from torch.utils.data.distributed import DistributedSampler
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from models import BabyCNN  # noqa: E402
+from train_pippy import SCHEDULES  # noqa: E402  the --schedule names and their classes, as the script maps them
+
+WORLD = 4  # gloo processes: 2 pipeline ranks x 2 replicas, 4 FSDP shards, 2 nodes x 2 processes, 4 ring ranks
+PIPELINE_RANKS, MICROBATCHES = 2, 4
+SAMPLES, SAMPLER_WORLDS = 18, (2, 4)  # 18 is not a multiple of 4: drop_last has something to drop
+DPI = 100
+RANK_COLOURS = ["#4477aa", "#ee6677", "#228833", "#ccbb44"]  # Paul Tol's colour-blind-safe set
+STAGE_COLOURS = ["#4477aa", "#ee7733", "#228833", "#aa3377"]
+IDLE = "#eeeeee"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Part 1: what the four gloo processes record. Everything that needs a real process group happens here.
+# ---------------------------------------------------------------------------------------------------------------
+
+def record_actions(stage, log):
+    """Log every compute call the schedule makes on ``stage``, in torch's own notation: 2F0 is stage 2's forward
+    of microbatch 0, B a full backward, I the input-gradient half of a split backward, W the weight-gradient half."""
+    forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+    def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+        log.append(f"{stage.stage_index}F{fwd_chunk_id}")
+        return forward(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        log.append(f"{stage.stage_index}{'B' if full_backward else 'I'}{bwd_chunk_id}")
+        return backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+
+    def backward_weight_one_chunk(bwd_chunk_id, last_backward=False):
+        log.append(f"{stage.stage_index}W{bwd_chunk_id}")
+        return weight(bwd_chunk_id, last_backward=last_backward)
+
+    stage.forward_one_chunk = forward_one_chunk
+    stage.backward_one_chunk = backward_one_chunk
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+
+def run_schedules(mesh):
+    """One training step of every schedule in train_pippy.py's SCHEDULES, built as train_pippy.py builds it.
+
+    Returns {name: (actions this rank ran, in order; the schedule's own pipeline_order, compute actions only)}.
+    Why run a step rather than only read ``schedule.pipeline_order``: for the single-stage schedules (gpipe,
+    1f1b) that attribute is a description beside the code that really runs (_step_microbatches), and on torch
+    2.14 1f1b's description of the last rank is wrong. What ran is what the picture should show."""
+    pp_group, pp_rank = mesh.get_group("pp"), mesh.get_local_rank("pp")
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(MICROBATCHES, 1, 28, 28, generator=generator)  # one sample per microbatch
+    labels = torch.randint(0, 10, (MICROBATCHES,), generator=generator)
+    results = {}
+    for name, (schedule_class, stages_kind) in SCHEDULES.items():
+        stages_per_rank = 1 if stages_kind == "one" else 2  # train_pippy.py's default --stages-per-rank
+        num_stages = PIPELINE_RANKS * stages_per_rank
+        # The same placement as train_pippy.py: loop (stage s on rank s % ranks), or a V for zbv.
+        if name == "zbv":
+            stage_indices = [pp_rank, 2 * PIPELINE_RANKS - 1 - pp_rank]
+        else:
+            stage_indices = [pp_rank + k * PIPELINE_RANKS for k in range(stages_per_rank)]
+        model = BabyCNN()
+        stage_blocks = model.stage_blocks(num_stages)
+        log, stages = [], []
+        for stage_index in stage_indices:
+            stage_model = nn.Sequential(*(model.blocks[block] for block in stage_blocks[stage_index]))
+            stages.append(PipelineStage(stage_model, stage_index, num_stages, torch.device("cpu"), group=pp_group))
+            record_actions(stages[-1], log)
+        schedule = schedule_class(stages[0] if stages_kind == "one" else stages, n_microbatches=MICROBATCHES,
+                                  loss_fn=F.cross_entropy, scale_grads=False)
+        schedule.step(images if 0 in stage_indices else None, target=labels)
+        # pipeline_order maps every pipeline rank to its actions; None is a planned wait, and REDUCE_GRAD (the
+        # end-of-step gradient reduction) is not a compute action on a microbatch: both left out.
+        planned = {rank: [str(a) for a in actions if a is not None and a.microbatch_index is not None]
+                   for rank, actions in (schedule.pipeline_order or {}).items()}
+        results[name] = (log, planned)
+    return results
+
+
+def shard_rows(mesh, rank):
+    """fully_shard BabyCNN as train_fsdp.py does (each block, then the root), then find out which rows of each
+    parameter this rank holds: every rank writes its own rank number into its shard (to_local()) and
+    full_tensor() all-gathers the parameter, so row i of the result says who holds row i."""
+    model = BabyCNN(device="meta")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    parameters = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.to_local().fill_(rank)
+            owner_of_row = param.full_tensor().flatten(1)[:, 0] if param.dim() > 1 else param.full_tensor()
+            rows = [row for row, owner in enumerate(owner_of_row.tolist()) if owner == rank]
+            first = rows[0] if rows else 0
+            if rows != list(range(first, first + param.to_local().shape[0])):  # one block of rows, all of to_local()
+                raise AssertionError(f"{name}: rank {rank} holds rows {rows}, to_local() {param.to_local().shape}")
+            parameters[name] = dict(shape=list(param.shape), placements=[repr(p) for p in param.placements],
+                                    local_shape=list(param.to_local().shape),
+                                    rows=[rows[0], rows[-1] + 1] if rows else [])
+    return parameters
+
+
+def ring_inputs(world):
+    """Rank r's tensor in the ring picture: 8 elements (4 chunks of 2), (r + 1) x [1 .. 8]."""
+    return [(rank + 1) * torch.arange(1.0, 9.0) for rank in range(world)]
+
+
+def worker(rank, world, init_file, result_file):
+    """One of the WORLD gloo processes. Rank 0 writes what they all recorded to ``result_file``."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))  # a stuck collective fails instead of hanging
+    try:
+        # Ranks as torchrun numbers them on 2 nodes of 2 processes: rank = node x 2 + local rank.
+        pp_mesh = init_device_mesh("cpu", (world // PIPELINE_RANKS, PIPELINE_RANKS), mesh_dim_names=("pp", "dp"))
+        full_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+        hybrid_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        reduced = ring_inputs(world)[rank].clone()
+        dist.all_reduce(reduced)  # the real thing the ring picture must agree with (gloo picks its own algorithm)
+        mine = dict(
+            # The pictured pipeline is replica 0's (dp = 0); the other replica's ranks need not run it too.
+            schedules=run_schedules(pp_mesh) if pp_mesh.get_local_rank("dp") == 0 else {},
+            full=shard_rows(full_mesh, rank),
+            hybrid=shard_rows(hybrid_mesh, rank),
+            meshes={label: dict(names=list(mesh.mesh_dim_names), shape=list(mesh.mesh.shape),
+                                coordinate=mesh.get_coordinate(),
+                                groups={dim: dist.get_process_group_ranks(mesh.get_group(dim))
+                                        for dim in mesh.mesh_dim_names})
+                    for label, mesh in (("pipeline", pp_mesh), ("hybrid", hybrid_mesh))},
+            all_reduce=reduced.tolist(),
+        )
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+        if rank == 0:
+            Path(result_file).write_text(json.dumps(everyone))
+    finally:
+        dist.destroy_process_group()
+
+
+def record_in_process_group():
+    """Start WORLD gloo processes and return what each recorded, by rank.
+
+    fork, not spawn: the children start in milliseconds with torch already imported. (This process has run
+    no torch op yet, so no thread pool is copied half-way.)"""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = Path(tmp, "result.json")
+        mp.start_processes(worker, args=(WORLD, Path(tmp, "rendezvous"), result_file), nprocs=WORLD,
+                           start_method="fork")
+        return json.loads(result_file.read_text())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Part 2: turn the records into the data each picture draws (this is what figures.json holds).
+# ---------------------------------------------------------------------------------------------------------------
+
+ACTION = re.compile(r"(\d+)([FBIW])(\d+)")
+
+
+def place_on_clock(orders, num_stages):
+    """Lay each rank's actions on a clock, one unit per action, transfers free: an action starts as soon as its
+    rank has finished the one before and the actions it needs, on any rank, have finished. Returns per rank a
+    list of time slots holding an action or None (waiting: the pipeline's bubble)."""
+    finished = {}  # (what, stage, microbatch) -> time it finished; "grad" = an input gradient exists (B or I)
+
+    def needs(action):
+        stage, kind, microbatch = ACTION.fullmatch(action).groups()
+        stage, microbatch = int(stage), int(microbatch)
+        if kind == "F":  # the previous stage's activations
+            return [("F", stage - 1, microbatch)] if stage > 0 else []
+        if kind in "BI":  # own forward, and the gradient of the next stage's input (the loss, on the last stage)
+            return [("F", stage, microbatch)] + ([("grad", stage + 1, microbatch)] if stage < num_stages - 1 else [])
+        return [("grad", stage, microbatch)]  # W: after this stage's I
+
+    def produces(action):
+        stage, kind, microbatch = ACTION.fullmatch(action).groups()
+        return ("F" if kind == "F" else "grad" if kind in "BI" else "W", int(stage), int(microbatch))
+
+    slots, next_action, clock = [[] for _ in orders], [0] * len(orders), 0
+    while any(position < len(order) for position, order in zip(next_action, orders)):
+        for rank, order in enumerate(orders):
+            action = order[next_action[rank]] if next_action[rank] < len(order) else None
+            ready = action is not None and all(finished.get(need, clock + 1) <= clock for need in needs(action))
+            slots[rank].append(action if ready else None)
+            next_action[rank] += ready
+        started = [slot[clock] for slot in slots if slot[clock] is not None]
+        if not started:
+            raise RuntimeError(f"the recorded actions deadlock at time {clock}: {orders}")
+        for action in started:  # finished at the end of this unit: what needs it starts at the next one
+            finished[produces(action)] = clock + 1
+        clock += 1
+    return slots
+
+
+def pipeline_data(records):
+    schedules = {}
+    for name, (schedule_class, stages_kind) in SCHEDULES.items():
+        ran = [records[rank]["schedules"][name][0] for rank in pipeline_ranks(records)]
+        planned = records[0]["schedules"][name][1]
+        planned = [planned.get(str(rank), []) for rank in range(PIPELINE_RANKS)]
+        num_stages = PIPELINE_RANKS * (1 if stages_kind == "one" else 2)
+        schedules[name] = dict(
+            schedule_class=schedule_class.__name__,
+            stages=[sorted({int(ACTION.fullmatch(a).group(1)) for a in order}) for order in ran],
+            ran=ran,
+            pipeline_order=planned,
+            pipeline_order_agrees=planned == ran,
+            timeline=place_on_clock(ran, num_stages),
+        )
+    return dict(png="pipeline_schedules.png", pipeline_ranks=PIPELINE_RANKS, microbatches=MICROBATCHES,
+                schedules=schedules)
+
+
+def pipeline_ranks(records):
+    """The global ranks of pipeline replica 0 (dp = 0), in pipeline order: they ran the pictured pipeline."""
+    replica_0 = [r for r in range(len(records)) if records[r]["meshes"]["pipeline"]["coordinate"][1] == 0]
+    return sorted(replica_0, key=lambda r: records[r]["meshes"]["pipeline"]["coordinate"][0])
+
+
+def fsdp_data(records):
+    layouts = {}
+    for label, title in (("full", "--sharding full: fully_shard on a 1-D mesh of 4 ranks"),
+                         ("hybrid", "--sharding hybrid: a (replicate 2, shard 2) mesh")):
+        parameters = {}
+        for name in records[0][label]:
+            per_rank = [records[rank][label][name] for rank in range(len(records))]
+            parameters[name] = dict(shape=per_rank[0]["shape"], placements=per_rank[0]["placements"],
+                                    local_shapes=[p["local_shape"] for p in per_rank],
+                                    rows=[p["rows"] for p in per_rank])
+        layouts[label] = dict(title=title, parameters=parameters)
+    return dict(png="fsdp_shards.png", world_size=len(records), layouts=layouts)
+
+
+def sampler_data():
+    """What DistributedSampler gives each rank, with the scripts' settings (shuffle, seed 0, drop_last)."""
+    # One replica gets the whole shuffled order: the permutation every rank computes from the seed and epoch.
+    order = list(DistributedSampler(range(SAMPLES), num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True))
+    worlds = {}
+    for world in SAMPLER_WORLDS:
+        ranks = [list(DistributedSampler(range(SAMPLES), num_replicas=world, rank=rank, shuffle=True, seed=0,
+                                         drop_last=True)) for rank in range(world)]
+        kept = world * (SAMPLES // world)
+        if any(ranks[rank] != order[rank:kept:world] for rank in range(world)):  # what the picture says
+            raise AssertionError(f"rank r does not get positions r, r+{world}, ... of {order}: {ranks}")
+        worlds[str(world)] = dict(ranks=ranks, kept_positions=kept, dropped=order[kept:])
+    return dict(png="sampler.png", samples=SAMPLES, seed=0, epoch=0, order=order, worlds=worlds)
+
+
+def ring_data(records):
+    """Ring all-reduce on len(records) ranks, step by step, checked against the real dist.all_reduce.
+
+    Each tensor is cut into one chunk per rank. Reduce-scatter: in step s rank r sends chunk (r - s) mod N to
+    rank r + 1, which adds it to its own copy; after N - 1 steps rank r holds the whole sum of chunk (r + 1) mod N.
+    All-gather: the finished chunks go round the ring the same way, overwriting. Every rank sends 2 (N - 1) / N
+    of the tensor in all, whatever N is: why NCCL rings scale."""
+    world = len(records)
+    inputs = ring_inputs(world)
+    chunks = [list(tensor.chunk(world)) for tensor in inputs]  # chunks[rank][c]: rank's current copy of chunk c
+    holders = [[[rank] for _ in range(world)] for rank in range(world)]  # whose inputs are summed in that copy
+    steps = []
+    for phase in ("reduce-scatter", "all-gather"):
+        for step in range(world - 1):
+            first = -step if phase == "reduce-scatter" else 1 - step
+            sends = [dict(src=rank, dst=(rank + 1) % world, chunk=(rank + first) % world) for rank in range(world)]
+            steps.append(dict(phase=phase, step=step + 1, sends=sends,
+                              before=[[list(h) for h in held] for held in holders]))
+            outgoing = [(s, chunks[s["src"]][s["chunk"]].clone(), list(holders[s["src"]][s["chunk"]])) for s in sends]
+            for send, tensor, summed in outgoing:  # all sends of a step happen at once
+                dst, chunk = send["dst"], send["chunk"]
+                if phase == "reduce-scatter":
+                    chunks[dst][chunk] = chunks[dst][chunk] + tensor
+                    holders[dst][chunk] = sorted(holders[dst][chunk] + summed)
+                else:
+                    chunks[dst][chunk], holders[dst][chunk] = tensor, summed
+    result = [torch.cat(rank_chunks).tolist() for rank_chunks in chunks]
+    real = [records[rank]["all_reduce"] for rank in range(world)]
+    expected = sum(inputs).tolist()
+    # The picture must not show wrong math: the simulation, the real collective and the plain sum agree exactly.
+    if not (result == real == [expected] * world):
+        raise AssertionError(f"ring simulation {result} != dist.all_reduce {real} or the sum {expected}")
+    return dict(png="ring_allreduce.png", world_size=world, inputs=[t.tolist() for t in inputs], steps=steps,
+                final=[[list(h) for h in held] for held in holders], result=result, all_reduce=real)
+
+
+def mesh_data(records):
+    meshes = {}
+    for label in ("pipeline", "hybrid"):
+        meshes[label] = dict(names=records[0]["meshes"][label]["names"], shape=records[0]["meshes"][label]["shape"],
+                             coordinates=[records[r]["meshes"][label]["coordinate"] for r in range(len(records))],
+                             groups=[records[r]["meshes"][label]["groups"] for r in range(len(records))])
+    return dict(png="device_mesh.png", nodes=2, processes_per_node=len(records) // 2, meshes=meshes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Part 3: draw. Each function draws only from its part of figures.json.
+# ---------------------------------------------------------------------------------------------------------------
+
+def lighter(colour, amount):
+    """``colour`` mixed with ``amount`` of white."""
+    r, g, b = to_rgb(colour)
+    return (r + (1 - r) * amount, g + (1 - g) * amount, b + (1 - b) * amount)
+
+
+def ink(face):
+    """Black text on a light face, white on a dark one."""
+    r, g, b = to_rgb(face)
+    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.6 else "white"
+
+
+def frame(fig, title, note, top=0.75, bottom=0.45, left=0.2, right=0.2, **spacing):
+    """A bold title and a small note at the top, margins in inches. A fixed layout rather than tight_layout,
+    which draws the whole figure once more just to measure it (a third of the drawing time here)."""
+    width, height = fig.get_size_inches()
+    fig.text(0.1 / width, 1 - 0.1 / height, title, fontsize=12, fontweight="bold", va="top")
+    fig.text(0.1 / width, 1 - 0.4 / height, note, fontsize=9, va="top", linespacing=1.4)
+    fig.subplots_adjust(left=left / width, right=1 - right / width, top=1 - top / height, bottom=bottom / height,
+                        **spacing)
+
+
+def figure(size, rows=1, columns=1, **options):
+    """A figure and its axes, drawn by Agg into files. No pyplot: no display, no global state to clean up."""
+    fig = Figure(figsize=size)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(rows, columns, **options)
+
+
+def save(fig, path):
+    # Fixed size and dpi, no "Software" tag (it names the matplotlib version): the same data, the same bytes on
+    # one matplotlib and freetype.
+    fig.savefig(path, dpi=DPI, metadata={"Software": None})
+
+
+def draw_pipeline(data, path):
+    schedules = data["schedules"]
+    horizon = max(len(slots) for s in schedules.values() for slots in s["timeline"])
+    fig, axes = figure((14, 1.45 * len(schedules) + 2.0), len(schedules), 1, sharex=True)
+    for ax, (name, s) in zip(axes, schedules.items()):
+        length = max(len(slots) for slots in s["timeline"])
+        for rank, slots in enumerate(s["timeline"]):
+            for t in range(length):
+                action = slots[t] if t < len(slots) else None
+                if action is None:  # waiting for another rank: the bubble
+                    ax.add_patch(Rectangle((t + 0.04, rank - 0.38), 0.92, 0.76, facecolor=IDLE, edgecolor="none"))
+                    continue
+                stage, kind, microbatch = ACTION.fullmatch(action).groups()
+                colour = STAGE_COLOURS[int(stage)]
+                face = colour if kind == "F" else lighter(colour, 0.45 if kind in "BI" else 0.75)
+                ax.add_patch(Rectangle((t + 0.04, rank - 0.38), 0.92, 0.76, facecolor=face, edgecolor=colour,
+                                       hatch="///" if kind == "W" else None, linewidth=1))
+                ax.text(t + 0.5, rank, f"{kind}{microbatch}", ha="center", va="center", fontsize=8.5,
+                        color=ink(face), fontweight="bold")
+        idle = [sum(a is None for a in slots) + length - len(slots) for slots in s["timeline"]]
+        per_rank = len(s["stages"][0])
+        note = "" if s["pipeline_order_agrees"] else \
+            "   (its pipeline_order attribute lists other actions for a rank; drawn is what step() ran)"
+        ax.set_title(f"{name}: {s['schedule_class']}, {per_rank} stage{'s' if per_rank > 1 else ''} per rank — "
+                     f"{length} units, idle units per rank {idle}{note}", loc="left", fontsize=10)
+        ax.set_yticks(range(len(s["timeline"])),
+                      [f"rank {r}\nstage{'s' if len(st) > 1 else ''} {', '.join(map(str, st))}"
+                       for r, st in enumerate(s["stages"])], fontsize=8.5)
+        ax.set_ylim(len(s["timeline"]) - 0.5, -0.5)  # rank 0 on top
+        for side in ("top", "right", "left"):
+            ax.spines[side].set_visible(False)
+        ax.tick_params(axis="y", length=0)
+    axes[-1].set_xlim(0, horizon)
+    axes[-1].set_xticks(range(0, horizon + 1, 2))
+    axes[-1].set_xlabel("time in units: one unit = one action (F, B, I or W of one microbatch on one stage), "
+                        "not measured time; sends and receives count as free")
+    handles = [Patch(facecolor=c, label=f"stage {i}") for i, c in enumerate(STAGE_COLOURS)]
+    handles += [Patch(facecolor=IDLE, label="idle: waiting for another rank (the bubble)")]
+    fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=9, frameon=False, bbox_to_anchor=(0.5, 0.0))
+    frame(fig, f"Pipeline schedules on {data['pipeline_ranks']} ranks, {data['microbatches']} microbatches "
+          "(train_pippy.py --schedule NAME): one unit = one action, not measured time",
+          "Each rank's actions in the order one real schedule.step() ran them, laid on a clock of one unit per "
+          "action: an action starts once its inputs exist.\nF forward (dark), B full backward (light), "
+          "I input-gradient half of a backward (light), W weight-gradient half (hatched); "
+          "the number is the microbatch, the colour the stage.",
+          top=1.2, bottom=0.85, left=0.85, right=0.15, hspace=0.6)
+    save(fig, path)
+
+
+def draw_fsdp(data, path):
+    layouts = data["layouts"]
+    fig, axes = figure((16, 7.6), 1, len(layouts), sharey=True)
+    for ax, layout in zip(axes, layouts.values()):
+        names = list(layout["parameters"])
+        for y, name in enumerate(names):
+            p = layout["parameters"][name]
+            n = p["shape"][0]
+            # Ranks holding the same rows are replicas of one shard: draw them in lanes, one above the other.
+            holders = {}
+            for rank, rows in enumerate(p["rows"]):
+                if rows:
+                    holders.setdefault(tuple(rows), []).append(rank)
+            for (start, stop), ranks in holders.items():
+                height = 0.8 / len(ranks)
+                for lane, rank in enumerate(ranks):
+                    bottom = y - 0.4 + lane * height
+                    ax.add_patch(Rectangle((start / n, bottom), (stop - start) / n, height,
+                                           facecolor=RANK_COLOURS[rank], edgecolor="white", linewidth=1.5))
+                    rows_text = f"{start}–{stop - 1}" if stop - start > 1 else f"{start}"
+                    ax.text((start + stop) / 2 / n, bottom + height / 2, f"r{rank}: {rows_text}",
+                            ha="center", va="center", fontsize=7.5 if len(ranks) == 1 else 6.5,
+                            color=ink(RANK_COLOURS[rank]))
+            ax.text(1.015, y, f"{' / '.join(str(shape[0]) for shape in p['local_shapes'])}", va="center",
+                    fontsize=8, transform=ax.get_yaxis_transform())
+        ax.set_yticks(range(len(names)), [f"{name}  {'×'.join(map(str, layout['parameters'][name]['shape']))}"
+                                          for name in names], fontsize=8)
+        ax.set_ylim(len(names) - 0.5, -0.5)
+        ax.set_xlim(0, 1)
+        ax.set_xticks([0, 0.25, 0.5, 0.75, 1], ["0", "¼", "½", "¾", "all"])
+        ax.set_xlabel("rows (dim 0) of the parameter. In a bar, r1: 2–3 = rank 1 holds rows 2 to 3;\n"
+                      "right of it, the rows each rank holds, rank 0 / 1 / 2 / 3", fontsize=9)
+        placements = sorted({", ".join(p["placements"]) for p in layout["parameters"].values()})
+        ax.set_title(f"{layout['title']}\nevery parameter a DTensor, placements ({'; '.join(placements)})",
+                     fontsize=10)
+    frame(fig, f"FSDP2: which rows of each BabyCNN parameter each of {data['world_size']} ranks holds after "
+          "fully_shard (each block, then the root, as train_fsdp.py does)",
+          "Every rank wrote its rank number into its shard (param.to_local()), and full_tensor() gathered the "
+          "shards back: row i of the result names its holder. Dim 0 is cut like torch.chunk, ceil(rows / ranks) "
+          "each,\nso blocks.3.fc's 10 rows split 3 / 3 / 3 / 1. In the hybrid mesh ranks 0 and 2 hold the same "
+          "rows (replicas, one per node), and so do ranks 1 and 3.",
+          top=1.25, bottom=0.75, left=2.5, right=1.3, wspace=0.22)
+    save(fig, path)
+
+
+def sampler_cell(ax, x, y, label, face):
+    ax.add_patch(Rectangle((x + 0.05, y - 0.4), 0.9, 0.8, facecolor=face, edgecolor="none"))
+    ax.text(x + 0.5, y, str(label), ha="center", va="center", fontsize=9,
+            color="#888888" if face == IDLE else ink(face))
+
+
+def draw_sampler(data, path):
+    worlds = data["worlds"]
+    n = data["samples"]
+    fig, axes = figure((13, 0.55 * sum(2 + int(w) for w in worlds) + 1.5), len(worlds), 1,
+                       height_ratios=[1 + int(w) for w in worlds])
+    for ax, (world, w) in zip(axes, worlds.items()):
+        world = int(world)
+        for position, sample in enumerate(data["order"]):
+            sampler_cell(ax, position, 0, sample,
+                         RANK_COLOURS[position % world] if position < w["kept_positions"] else IDLE)
+        for rank, samples in enumerate(w["ranks"]):
+            for k, sample in enumerate(samples):
+                sampler_cell(ax, rank + k * world, rank + 1, sample, RANK_COLOURS[rank])
+            ax.text(n + 0.3, rank + 1, f"= {samples}", va="center", fontsize=9)
+        ax.set_yticks(range(world + 1), ["epoch order"] + [f"rank {r}" for r in range(world)], fontsize=9)
+        ax.set_xticks([p + 0.5 for p in range(n)], range(n), fontsize=8)
+        ax.set_xlim(0, n + 6)
+        ax.set_ylim(world + 0.6, -0.6)
+        ax.tick_params(length=0)
+        for side in ax.spines.values():
+            side.set_visible(False)
+        dropped = f"; positions {w['kept_positions']}–{n - 1} dropped (drop_last)" if w["dropped"] else \
+            " (nothing to drop)"
+        ax.set_title(f"{world} replicas: rank r gets positions r, r+{world}, r+{2 * world}, ... of the order, "
+                     f"{n // world} samples each{dropped}", loc="left", fontsize=10)
+    axes[-1].set_xlabel("position in the epoch's shuffled order (the numbers in the cells are sample indices)")
+    frame(fig, f"DistributedSampler over {n} samples (shuffle=True, seed={data['seed']}, drop_last=True, "
+          f"epoch {data['epoch']}): each rank's share",
+          "Every rank draws the same permutation from seed + epoch (set_epoch changes it each epoch) and takes "
+          "every W-th entry, so the shares are disjoint. Grey: positions no rank gets.",
+          top=0.95, bottom=0.55, left=1.0, right=0.1, hspace=0.3)
+    save(fig, path)
+
+
+def draw_ring(data, path):
+    world = data["world_size"]
+    rows = data["steps"] + [dict(phase="result", step=0, sends=[], before=data["final"])]
+    fig, ax = figure((14, 0.95 * len(rows) + 1.5))
+    colours = colormaps["Blues"]
+    group_width = world + 1.5  # one rank's chunks, then a gap
+    for y, row in enumerate(rows):
+        sent = {s["src"]: s for s in row["sends"]}
+        for rank in range(world):
+            x0 = rank * group_width
+            for chunk in range(world):
+                summed = row["before"][rank][chunk]
+                face = colours(0.15 + 0.8 * (len(summed) - 1) / (world - 1))
+                sending = rank in sent and sent[rank]["chunk"] == chunk
+                ax.add_patch(Rectangle((x0 + chunk + 0.05, y - 0.3), 0.9, 0.6, facecolor=face,
+                                       edgecolor="black" if sending else "white", linewidth=2.5 if sending else 1))
+                label = "all" if len(summed) == world else "+".join(map(str, summed))
+                ax.text(x0 + chunk + 0.5, y, label, ha="center", va="center", fontsize=8, color=ink(face))
+            if rank in sent:
+                s = sent[rank]
+                verb = "adds it" if row["phase"] == "reduce-scatter" else "copies it"
+                ax.text(x0 + world / 2, y + 0.45, f"sends c{s['chunk']} → rank {s['dst']}, which {verb}",
+                        ha="center", va="center", fontsize=8)
+        label = "result" if row["phase"] == "result" else f"{row['phase']}\nstep {row['step']} of {world - 1}"
+        ax.text(-0.3, y, label, ha="right", va="center", fontsize=9)
+    for rank in range(world):
+        ax.text(rank * group_width + world / 2, -0.65, f"rank {rank}:  chunks c0 … c{world - 1}",
+                ha="center", fontsize=10, fontweight="bold")
+    ax.set_xlim(-3.2, world * group_width)
+    ax.set_ylim(len(rows) - 0.4, -1.0)
+    ax.axis("off")
+    frame(fig, f"Ring all-reduce on {world} ranks, each tensor cut in {world} chunks: {world - 1} reduce-scatter "
+          f"steps, then {world - 1} all-gather steps",
+          "A cell lists the ranks whose inputs that rank's copy of the chunk sums so far. Each row is the state "
+          "before its step; the outlined chunk is the one the rank sends to the next rank on the ring.\n"
+          f"Every rank sends 2 x {world - 1}/{world} of its tensor in all, whatever the number of ranks. "
+          f"Checked against a real dist.all_reduce (gloo): {data['result'][0]} on every rank.",
+          top=1.05, bottom=0.1, left=0.1, right=0.1)
+    save(fig, path)
+
+
+def draw_mesh(data, path):
+    nodes, per_node = data["nodes"], data["processes_per_node"]
+    fig, axes = figure((13, 4.8), 1, len(data["meshes"]))
+    captions = {"pipeline": "train_pippy.py --data-parallel 2: init_device_mesh(..., (2, 2), ('pp', 'dp'))",
+                "hybrid": "train_fsdp.py --sharding hybrid: init_device_mesh(..., (2, 2), ('replicate', 'shard'))"}
+    width, height, step_x, step_y = 1.5, 1.0, 2.6, 2.0  # a rank's box, and the distance between boxes
+
+    def centre(rank):
+        node, local = divmod(rank, per_node)
+        return local * step_x + width / 2, node * step_y + height / 2
+
+    for ax, (label, mesh) in zip(axes, data["meshes"].items()):
+        for rank, coordinate in enumerate(mesh["coordinates"]):
+            x, y = centre(rank)
+            ax.add_patch(Rectangle((x - width / 2, y - height / 2), width, height, facecolor=RANK_COLOURS[rank],
+                                   edgecolor="none"))
+            ax.text(x, y, f"rank {rank}\n" + ", ".join(f"{name} {c}" for name, c in zip(mesh["names"], coordinate)),
+                    ha="center", va="center", color=ink(RANK_COLOURS[rank]), fontsize=10)
+        # Each mesh dimension's process groups, as the mesh made them: a line from box to box through the gap.
+        for dim in mesh["names"]:
+            for group in sorted({tuple(g[dim]) for g in mesh["groups"]}):
+                for a, b in itertools.pairwise(group):
+                    (xa, ya), (xb, yb) = centre(a), centre(b)
+                    if ya == yb:  # same node: across the gap between columns
+                        xs, ys = (xa + width / 2, xb - width / 2), (ya, yb)
+                        ax.text(sum(xs) / 2, ya - 0.12, f"{dim} group\n{list(group)}", ha="center", va="bottom",
+                                fontsize=8.5)
+                    else:  # across nodes: through the gap between rows
+                        xs, ys = (xa, xb), (ya + height / 2, yb - height / 2)
+                        inward = 1 if xa < per_node * step_x / 2 else -1  # the label away from the panel's edge
+                        ax.text(xa + 0.08 * inward, sum(ys) / 2, f"{dim} group {list(group)}", va="center",
+                                ha="left" if inward > 0 else "right", fontsize=8.5)
+                    ax.plot(xs, ys, color="black", linewidth=2)
+        ax.set_xlim(-0.1, (per_node - 1) * step_x + width + 0.1)
+        ax.set_ylim((nodes - 1) * step_y + height + 0.1, -0.1)
+        ax.set_xticks([centre(local)[0] for local in range(per_node)], [f"local rank {x}" for x in range(per_node)])
+        ax.set_yticks([centre(node * per_node)[1] for node in range(nodes)], [f"node {y}" for y in range(nodes)])
+        ax.tick_params(length=0)
+        for side in ax.spines.values():
+            side.set_visible(False)
+        ax.set_title(captions[label], fontsize=9.5)
+    frame(fig, f"Device meshes on {nodes} nodes x {per_node} processes (torchrun numbers rank = node x {per_node} "
+          "+ local rank)",
+          "Lines join the ranks of one process group. Pipeline: a stage's replicas (dp) share a node, so the "
+          "gradient all-reduce of every step stays on the fast links;\nonly activations cross nodes. Hybrid FSDP: "
+          "shards within a node (all-gathers every step), replicas across nodes (one all-reduce of shards).",
+          top=1.15, bottom=0.45, left=0.7, right=0.2, wspace=0.3)
+    save(fig, path)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "images",
+                        help="directory for the PNGs and figures.json (default: docs/images)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    records = record_in_process_group()  # first: no torch op may run in this process before the fork
+    torch.set_num_threads(1)
+    figures = dict(pipeline_schedules=pipeline_data(records), fsdp_shards=fsdp_data(records),
+                   sampler=sampler_data(), ring_allreduce=ring_data(records), device_mesh=mesh_data(records))
+    drawers = dict(pipeline_schedules=draw_pipeline, fsdp_shards=draw_fsdp, sampler=draw_sampler,
+                   ring_allreduce=draw_ring, device_mesh=draw_mesh)
+    for key, data in figures.items():
+        drawers[key](data, args.out / data["png"])
+    (args.out / "figures.json").write_text(json.dumps(figures, indent=1) + "\n")
+    print(f"wrote {', '.join(d['png'] for d in figures.values())} and figures.json to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
