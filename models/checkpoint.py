@@ -215,6 +215,8 @@ class Checkpointer:
                                 f"{FORMAT}; use another --checkpoint-dir")
         if not isinstance(files, dict) or ".metadata" not in files:
             return None, "checkpoint.json lists no .metadata file", None
+        if not all(isinstance(entry, list) and len(entry) == 2 for entry in files.values()):
+            return None, "checkpoint.json lists files without [size, SHA-256]", None  # else ranks would fail apart
         for key in ("model", "dataset", "parallelism"):
             if saved.get(key) != self.layout.get(key):
                 return info, None, (f"checkpoint {manifest} was saved with {key} {saved.get(key)}, "
