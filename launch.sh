@@ -18,6 +18,14 @@
 #                 several); with --checkpoint-dir the restarted workers resume from the last checkpoint
 # OMP_NUM_THREADS CPU threads per process (default: this machine's cores / NPROC_PER_NODE, at least 1)
 # A bad value stops the launch at once with one `error:` line and exit code 2.
+#
+# Under a PyTorchJob with an elasticPolicy (Kubeflow's Training Operator, k8s/), the operator sets torchrun's
+# own variables instead (PET_NNODES=MIN:MAX, PET_RDZV_ENDPOINT, PET_RDZV_ID, PET_MAX_RESTARTS), and torchrun
+# reads them itself: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, RDZV_ID and MAX_RESTARTS are not used.
+#
+# SIGTERM, SIGUSR1 (SLURM's warning before a time limit) or SIGINT to torchrun: it passes the signal on, the
+# workers stop together at their next logging step and write a checkpoint (with --checkpoint-dir), and the
+# launch ends with exit code 128 + the signal's number (143, 138, 130), which schedulers read as "preempted".
 set -euo pipefail
 
 script="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$1"
@@ -32,22 +40,25 @@ check() {
         exit 2
     fi
 }
-NNODES=${NNODES:-1}
-check NNODES 1 999999999 "a positive integer (the number of nodes)"
-NODE_RANK=${NODE_RANK:-0}
-check NODE_RANK 0 $((NNODES - 1)) "0 to $((NNODES - 1)) with NNODES=$NNODES"
-if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
-    # A default of 127.0.0.1 would have every node wait for itself until the rendezvous times out.
-    echo "error: NNODES=$NNODES needs MASTER_ADDR, node 0's address, the same on every node" \
-        "(e.g. MASTER_ADDR=node0 MASTER_PORT=29500)" >&2
-    exit 2
+elastic=${PET_RDZV_ENDPOINT:+1}  # set by the Training Operator: torchrun takes the layout from PET_* itself
+if [ -z "$elastic" ]; then
+    NNODES=${NNODES:-1}
+    check NNODES 1 999999999 "a positive integer (the number of nodes)"
+    NODE_RANK=${NODE_RANK:-0}
+    check NODE_RANK 0 $((NNODES - 1)) "0 to $((NNODES - 1)) with NNODES=$NNODES"
+    if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
+        # A default of 127.0.0.1 would have every node wait for itself until the rendezvous times out.
+        echo "error: NNODES=$NNODES needs MASTER_ADDR, node 0's address, the same on every node" \
+            "(e.g. MASTER_ADDR=node0 MASTER_PORT=29500)" >&2
+        exit 2
+    fi
+    MASTER_PORT=${MASTER_PORT:-29500}
+    check MASTER_PORT 1 65535 "a port number, 1 to 65535"
+    if [ "$NNODES" -eq 1 ]; then MAX_RESTARTS=${MAX_RESTARTS:-0}; else MAX_RESTARTS=${MAX_RESTARTS:-3}; fi
+    check MAX_RESTARTS 0 999999999 "an integer, 0 or more"
+    JOIN_TIMEOUT=${JOIN_TIMEOUT:-600}
+    check JOIN_TIMEOUT 1 999999999 "a positive integer (seconds)"
 fi
-MASTER_PORT=${MASTER_PORT:-29500}
-check MASTER_PORT 1 65535 "a port number, 1 to 65535"
-if [ "$NNODES" -eq 1 ]; then MAX_RESTARTS=${MAX_RESTARTS:-0}; else MAX_RESTARTS=${MAX_RESTARTS:-3}; fi
-check MAX_RESTARTS 0 999999999 "an integer, 0 or more"
-JOIN_TIMEOUT=${JOIN_TIMEOUT:-600}
-check JOIN_TIMEOUT 1 999999999 "a positive integer (seconds)"
 if [ -z "${NPROC_PER_NODE:-}" ]; then
     # Count the GPUs torch will see: nvidia-smi lists every GPU, also those CUDA_VISIBLE_DEVICES hides.
     gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
@@ -69,10 +80,39 @@ if [ -z "${OMP_NUM_THREADS:-}" ]; then
     threads=$(( $(nproc) / NPROC_PER_NODE ))
     export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
 fi
+# torchrun passes these signals on to the workers (its default list lacks SIGUSR1, which would kill it), then
+# gives them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30) to write their checkpoint before it kills them.
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 
+# The torchrun below is this function: torchrun's own main(), all output passing through as is, except two
+# endings, said in one line or none instead of a 40-line traceback: a stop signal (the workers have said where
+# they stopped; exit 128 + the signal's number) and a rendezvous timeout (not all NNODES nodes joined within
+# JOIN_TIMEOUT). Copied elsewhere, the command lines work as they are with the real torchrun.
+torchrun() {
+    local timeout_error="error: not all NNODES=${NNODES:-} nodes joined at ${endpoint:-} within JOIN_TIMEOUT=${JOIN_TIMEOUT:-} s:"
+    timeout_error+=" start each with the same MASTER_ADDR, MASTER_PORT and RDZV_ID, or raise JOIN_TIMEOUT"
+    exec python3 -c 'import sys
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+from torch.distributed.run import main
+message = sys.argv.pop(1)
+sys.argv[0] = "torchrun"
+try:
+    main()
+except SignalException as stop:
+    sys.exit(128 + int(stop.sigval))
+except RendezvousTimeoutError:
+    print(message, file=sys.stderr)
+    sys.exit(2)' "$timeout_error" "$@"
+}
+
+if [ -n "$elastic" ]; then
+    # The nodes meet at PET_RDZV_ENDPOINT (the first pod's service); torchrun reads the PET_* variables itself.
+    torchrun --nproc-per-node="$NPROC_PER_NODE" "$script" "$@"
+fi
 if [ "$NNODES" -eq 1 ]; then
     # --standalone: a private rendezvous on a free local port, no address to agree on.
-    exec torchrun --standalone --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" "$script" "$@"
+    torchrun --standalone --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" "$script" "$@"
 fi
 
 # Several nodes: what torchrun would report in a 40- to 80-line traceback, or not at all for 10 minutes, is
@@ -116,23 +156,6 @@ while True:
 PYTHON
 fi
 
-# The torchrun below is this function: torchrun's own main(), all output passing through as is, except that a
-# rendezvous timeout (not all NNODES nodes joined within JOIN_TIMEOUT) ends in one error line, not a 40-line
-# traceback. Copied elsewhere, the command line works as it is with the real torchrun.
-torchrun() {
-    local timeout_error="error: not all NNODES=$NNODES nodes joined at $endpoint within JOIN_TIMEOUT=$JOIN_TIMEOUT s:"
-    timeout_error+=" start each with the same MASTER_ADDR, MASTER_PORT and RDZV_ID, or raise JOIN_TIMEOUT"
-    exec python3 -c 'import sys
-from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
-from torch.distributed.run import main
-message = sys.argv.pop(1)
-sys.argv[0] = "torchrun"
-try:
-    main()
-except RendezvousTimeoutError:
-    print(message, file=sys.stderr)
-    sys.exit(2)' "$timeout_error" "$@"
-}
 # c10d rendezvous: every node meets at MASTER_ADDR:MASTER_PORT; node 0 hosts its store.
 is_host=$([ "$NODE_RANK" -eq 0 ] && echo 1 || echo 0)
 torchrun --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \

@@ -198,6 +198,7 @@ def main():
         progress = training.Progress(total_steps, global_batch_size, rank, args.log_every, device,
                                      start_step=resumed["step"])
         window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device: no per-step sync
+        stop, stop_signal = training.StopSignals(), 0  # SIGTERM, SIGUSR1, Ctrl-C; stop_signal: the one all ranks agreed on
         test_loss = test_accuracy = None  # stay None with --no-eval
         first_epoch, first_step_in_epoch = resumed["epoch"], resumed["samples_into_epoch"] // global_batch_size
         for epoch in range(first_epoch, -(-total_steps // steps_per_epoch)):
@@ -228,9 +229,16 @@ def main():
                     progress.record_loss(window_loss.item() / (window_count * args.data_parallel), "loss (last stage)")
                     window_loss.zero_()
                     window_count = 0
-                if checkpointer.due(progress.step):  # a collective: every rank writes its part
+                    # A signal reaches the ranks at different steps: they compare here, and all stop at this one.
+                    agreed = torch.tensor(stop.received, device=device)
+                    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+                    stop_signal = int(agreed)
+                if checkpointer.due(progress.step, stopping=stop_signal):  # a collective: every rank writes its part
                     position = {"epoch": epoch, "samples_into_epoch": (step_in_epoch + 1) * global_batch_size}
                     checkpointer.save(progress.step, position, model, optimizer, scheduler)
+                if stop_signal and progress.step < total_steps:  # at the last step it just finishes
+                    progress.close()
+                    raise training.Stopped(stop_signal, progress.step, total_steps, args.checkpoint_dir)
             progress.end_epoch()
 
             # ---- evaluate: each replica scores a slice of the test set; the counts are all-reduced ----

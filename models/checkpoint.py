@@ -59,8 +59,9 @@ class Checkpointer:
 
     # ---- saving ----------------------------------------------------------------------------
 
-    def due(self, step):
-        return bool(self.directory) and step % self.every == 0
+    def due(self, step, stopping=False):
+        """True when a checkpoint is to be written at ``step``: every --checkpoint-every steps, and on a stop."""
+        return bool(self.directory) and (bool(stopping) or step % self.every == 0)
 
     def save(self, step, position, model, optimizer, scheduler):
         """Collective: every rank writes its part; rank 0 adds checkpoint.json and renames."""

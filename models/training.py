@@ -10,6 +10,7 @@ import json
 import math
 import os
 import resource
+import signal
 import sys
 import tempfile
 import threading
@@ -27,6 +28,17 @@ class UsageError(Exception):
     """Bad flags or a layout that cannot work: printed as one line by rank 0, exit code 2."""
 
 
+class Stopped(Exception):
+    """Every rank stopped at the same step on a signal, after writing a checkpoint when there is a directory."""
+
+    def __init__(self, signal_number, step, total_steps, checkpoint_dir):
+        name = signal.Signals(signal_number).name
+        saved = (f"checkpoint step-{step} is in {checkpoint_dir}; the same command resumes there" if checkpoint_dir
+                 else "nothing was saved (no --checkpoint-dir)")
+        super().__init__(f"stopped by {name} at step {step} of {total_steps}: {saved}")
+        self.exit_code = 128 + signal_number  # the shell's code for this signal: schedulers read it as "requeue"
+
+
 class NodeError(UsageError):
     """A problem of one node (its GPUs): printed as one line by that node's local rank 0, exit code 2.
 
@@ -41,7 +53,8 @@ def launched_rank():
 
 
 def fail_cleanly(main):
-    """Run ``main()``; turn a UsageError or DataError into one line on rank 0 and exit code 2.
+    """Run ``main()``; turn a UsageError or DataError into one line on rank 0 and exit code 2, and a stop
+    on a signal into one line on rank 0 and exit code 128 + the signal's number.
 
     Every rank reaches the same verdict from the same flags (or from rank 0's broadcast), so the
     others just exit quietly instead of printing the same message N times. When torchrun restarts
@@ -49,6 +62,10 @@ def fail_cleanly(main):
     """
     try:
         main()
+    except Stopped as stopped:  # every rank agreed to stop: rank 0 says where, all exit with the same code
+        if launched_rank() == 0:
+            print(stopped, file=sys.stderr, flush=True)
+        sys.exit(stopped.exit_code)
     except (UsageError, data.DataError) as error:
         local = isinstance(error, NodeError)
         say_once(f"error: {error}", rank=int(os.environ.get("LOCAL_RANK", "0")) if local else launched_rank())
@@ -87,6 +104,26 @@ def die_with_launcher():
         os._exit(1)
 
     threading.Thread(target=watch, name="die-with-launcher", daemon=True).start()
+
+
+class StopSignals:
+    """From now on SIGTERM, SIGUSR1 and SIGINT ask for a stop at a step boundary instead of killing the process.
+
+    SIGTERM is how Kubernetes, SLURM's preemption and torchrun (forwarding its own) stop a job; SIGUSR1 is
+    what SLURM's ``--signal`` sends ahead of the time limit; SIGINT is Ctrl-C. The handler only records the
+    signal in ``received``: the training loop reads it where all ranks meet (each logging step), because a
+    signal reaches the ranks at different moments and a rank that stopped alone would leave the others
+    waiting in their next collective. Before training starts, the signals keep their default action: there
+    is nothing to save yet.
+    """
+
+    def __init__(self):
+        self.received = 0  # the signal's number; 0 until one arrives
+        for number in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(number, self._record)
+
+    def _record(self, number, frame):
+        self.received = self.received or number  # the first one counts
 
 
 def say_once(line, rank):

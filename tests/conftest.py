@@ -240,6 +240,15 @@ def _parents():
     return parents
 
 
+def alive(pid):
+    """True while ``pid`` runs (a zombie, dead but not yet reaped by its new parent, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def descendants(pid):
     parents, found, frontier = _parents(), [], [pid]
     while frontier:

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from conftest import (
-    ROOT, Run, assert_one_line_error, launch, launcher_env, load_weights, max_difference, mnist_args, python, succeeded,
+    ROOT, Run, alive, assert_one_line_error, launch, launcher_env, load_weights, max_difference, mnist_args, python, succeeded,
     torchrun, worker_pids,
 )
 
@@ -39,15 +39,6 @@ def uninterrupted(mnist_dir, tmp_path_factory):
         return done[name]
 
     return get
-
-
-def alive(pid):
-    """True while ``pid`` runs (a zombie, dead but not yet reaped by its new parent, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_for(path, run, timeout=120):
