@@ -1,7 +1,8 @@
 """The docs stay true to the code: commands use flags the scripts accept, links lead somewhere.
 
 Every command in a ```bash block of README.md or docs/*.md that runs one of the project's scripts
-(`python train_*.py`, `torchrun ... train_*.py`, `bash run_*.sh`, `python benchmarks/*.py`) is
+(`python train_*.py`, `torchrun ... train_*.py`, `bash run_*.sh`, `sbatch slurm/train.sbatch ddp`,
+`python benchmarks/*.py`) is
 parsed by that script's own argparse parser, so a renamed or removed flag, or a value outside a
 flag's choices, fails here instead of in a reader's terminal. The parsers are taken from the
 scripts themselves, in this process (torch is already imported by conftest.py): each script runs
@@ -102,6 +103,12 @@ def script_call(words, wrappers):
     if not words:
         return None
     program, rest = Path(words[0]).name, words[1:]
+    if program == "sbatch":  # sbatch's own options (--nodes=4), then the batch script, run like `bash script`
+        while rest and rest[0].startswith("-"):
+            rest = rest[1:]
+        program = "bash"
+    if program in ("bash", "sh") and rest and Path(rest[0]).name == "train.sbatch":  # STRATEGY, then its flags
+        return (f"train_{rest[1]}.py", rest[2:]) if len(rest) > 1 else None
     if program in ("bash", "sh"):
         if rest and Path(rest[0]).name in wrappers:
             return wrappers[Path(rest[0]).name], rest[1:]
