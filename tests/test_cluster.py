@@ -195,8 +195,10 @@ def test_the_container_command_runs_as_two_elastic_pods_stops_on_sigterm_and_res
 # ---- Ctrl-C --------------------------------------------------------------------------------------------------
 
 
-def test_ctrl_c_stops_every_process_at_a_checkpoint(mnist_dir, tmp_path):
-    run = Run(["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), *RUN, "--checkpoint-dir", tmp_path / "ck"],
+# DDP stops in the tests above; the other two scripts' stops (every pipeline stage must agree) here.
+@pytest.mark.parametrize("launcher", ["run_fsdp.sh", "run_pippy.sh"])
+def test_ctrl_c_stops_every_process_at_a_checkpoint(launcher, mnist_dir, tmp_path):
+    run = Run(["bash", ROOT / launcher, *mnist_args(mnist_dir), *RUN, "--checkpoint-dir", tmp_path / "ck"],
               env=launcher_env(NPROC_PER_NODE=2))
     wait_for(tmp_path / "ck" / "step-10", run)
     processes = descendants(run.process.pid)
