@@ -60,8 +60,12 @@ if [ -z "$elastic" ]; then
     check JOIN_TIMEOUT 1 999999999 "a positive integer (seconds)"
 fi
 if [ -z "${NPROC_PER_NODE:-}" ]; then
-    # Count the GPUs torch will see: nvidia-smi lists every GPU, also those CUDA_VISIBLE_DEVICES hides.
-    gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+    # Count the GPUs torch will see: nvidia-smi lists every GPU, also those CUDA_VISIBLE_DEVICES hides. Without
+    # a GPU device file there are none, and no need to spend seconds importing torch to learn it.
+    gpus=0
+    if compgen -G "/dev/nvidia[0-9]*" > /dev/null || [ -e /dev/kfd ]; then
+        gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+    fi
     if [ "$gpus" -gt 0 ]; then NPROC_PER_NODE=$gpus; else NPROC_PER_NODE=2; fi
 fi
 check NPROC_PER_NODE 1 999999999 "a positive integer (processes on this node)"
@@ -91,6 +95,7 @@ export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQ
 torchrun() {
     local timeout_error="error: not all NNODES=${NNODES:-} nodes joined at ${endpoint:-} within JOIN_TIMEOUT=${JOIN_TIMEOUT:-} s:"
     timeout_error+=" start each with the same MASTER_ADDR, MASTER_PORT and RDZV_ID, or raise JOIN_TIMEOUT"
+    echo "launch.sh: torchrun $*" >&2  # at once: torch takes seconds to import before anything else is said
     exec python3 -c 'import sys
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
