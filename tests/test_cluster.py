@@ -87,11 +87,18 @@ def test_slurm_two_nodes_stop_before_the_time_limit_requeue_and_end_like_one_nod
     assert max_difference(load_weights(tmp_path / "final.pt"), never_stopped) == 0
 
 
-def test_the_batch_script_refuses_an_unknown_strategy_in_one_line(tmp_path):
-    run = Run(["bash", ROOT / "slurm" / "train.sbatch", "ddpp", "--epochs", "1"], env=launcher_env()).wait()
+@pytest.mark.parametrize("strategy, error", [
+    ("ddpp", "error: the first argument is the strategy, ddp, fsdp or pippy, got 'ddpp' "
+             "(e.g. sbatch slurm/train.sbatch ddp --epochs 3)"),
+    ("fsdp", "error: SLURM_JOB_ID is not set: submit this with sbatch (sbatch slurm/train.sbatch fsdp ...), "
+             "or on one machine use bash run_fsdp.sh"),
+])
+def test_the_batch_script_refuses_in_one_line(strategy, error):
+    env = launcher_env()
+    env.pop("SLURM_JOB_ID", None)  # not inside a SLURM job, even when the suite runs in one
+    run = Run(["bash", ROOT / "slurm" / "train.sbatch", strategy, "--epochs", "1"], env=env).wait()
     assert run.returncode == 2
-    assert run.output.strip() == ("error: the first argument is the strategy, ddp, fsdp or pippy, got 'ddpp' "
-                                  "(e.g. sbatch slurm/train.sbatch ddp --epochs 3)")
+    assert run.output.strip() == error
 
 
 # ---- Kubernetes ----------------------------------------------------------------------------------------------
