@@ -23,6 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -39,6 +40,9 @@ def main():
                         "backward); hybrid: HSDP, shard inside groups, replicate across them")
     parser.add_argument("--replicate-degree", type=training.positive_int, default=None,
                         help="hybrid only: number of replica groups (default: one per node)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="keep only each block's input for backward and recompute the rest there: less "
+                        "activation memory for one more forward per block")
     parser.add_argument("--cpu-offload", action="store_true",
                         help="keep shards and optimizer state in CPU memory (GPUs only)")
     args = parser.parse_args()
@@ -118,6 +122,11 @@ def main():
         reshard = args.sharding != "grad-op"  # grad-op keeps gathered weights from forward until backward
         last_block = len(model.blocks) - 1
         for index, block in enumerate(model.blocks):
+            if args.activation_checkpointing:
+                # Keep only the block's input for backward, which recomputes the rest with the weights it gathers
+                # anyway. Per block, before fully_shard, as torchtitan does; the wrapper's state-dict hooks drop
+                # its "_checkpoint_wrapped_module." from parameter names, so files and checkpoints are unchanged.
+                block = model.blocks[index] = checkpoint_wrapper(block)
             # Backward starts with the last block: resharding it after forward would only gather it again.
             fully_shard(block, reshard_after_forward=reshard and index != last_block, **fsdp_options)
         fully_shard(model, reshard_after_forward=reshard, **fsdp_options)
@@ -132,8 +141,10 @@ def main():
         checkpointer = checkpoint.Checkpointer(args, dataset, "data parallel (DDP or FSDP)", world_size,
                                                global_batch_size, device)
         resumed = checkpointer.resume(model, optimizer, scheduler, log)
+        recompute = ", activation checkpointing" if args.activation_checkpointing else ""
         log(
-            f"FSDP ({args.sharding}, mesh {tuple(mesh.shape)}) on {world_size} rank(s) ({backend}, {device.type}): "
+            f"FSDP ({args.sharding}{recompute}, mesh {tuple(mesh.shape)}) on {world_size} rank(s) "
+            f"({backend}, {device.type}): "
             f"batch {args.batch_size} per rank x grad-accum {args.grad_accum} x {world_size} ranks = global batch "
             f"{global_batch_size}; lr {lr:g}; "
             f"{param_count:,} parameters; {args.precision}; {dataset.name}; {total_steps} steps"
@@ -209,6 +220,7 @@ def main():
             summary = {
                 "strategy": "fsdp",
                 "sharding": args.sharding,
+                "activation_checkpointing": args.activation_checkpointing,
                 "mesh": list(mesh.shape),
                 "world_size": world_size,
                 "global_batch_size": global_batch_size,

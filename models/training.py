@@ -196,7 +196,7 @@ def parser(description):
     add("--batch-size", type=positive_int, default=64, help="samples per micro-step on each data-parallel replica")
     add("--grad-accum", type=positive_int, default=1, help="micro-steps accumulated per optimizer step")
     add("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    add("--lr", type=_positive_float, default=None, help="peak learning rate (default: 1e-3 for adamw, 0.05 for sgd)")
+    add("--lr", type=_positive_float, default=None, help="peak learning rate (default: 1e-3 for adamw, 0.01 for sgd)")
     add("--momentum", type=_momentum, default=0.9, help="SGD momentum")
     add("--weight-decay", type=_non_negative_float, default=None, help="(default: 0.01 for adamw, 5e-4 for sgd)")
     add("--scale-lr", action="store_true", help="linear scaling rule: lr *= global_batch_size / base_batch_size")
@@ -223,7 +223,7 @@ def parser(description):
 
 def learning_rate(args, global_batch_size):
     """The peak learning rate, after the linear scaling rule when --scale-lr asks for it."""
-    lr = args.lr if args.lr is not None else {"adamw": 1e-3, "sgd": 0.05}[args.optimizer]
+    lr = args.lr if args.lr is not None else {"adamw": 1e-3, "sgd": 0.01}[args.optimizer]
     return lr * global_batch_size / args.base_batch_size if args.scale_lr else lr
 
 

@@ -21,6 +21,7 @@ import io
 import re
 import runpy
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -250,3 +251,15 @@ def test_links_and_images_point_to_files_that_exist(page):
         elif fragment and file.suffix == ".md" and fragment not in anchors(file):
             problems.append(f"{target}: no heading #{fragment} in {file.relative_to(ROOT)}")
     assert not problems, f"{page.relative_to(ROOT)}:\n    " + "\n    ".join(problems)
+
+
+DIFF_COUNT = re.compile(r"`(diff train_\w+\.py train_\w+\.py \| grep -c '\^\[<>\]')` counts (\d+) changed lines")
+
+
+def test_the_diff_sizes_the_docs_quote_are_the_scripts_own():
+    """"`diff train_ddp.py train_fsdp.py | grep -c '^[<>]'` counts N changed lines": N is what it counts now."""
+    quoted = [(page.name, *found) for page in PAGES for found in DIFF_COUNT.findall(" ".join(prose_lines(page)))]
+    assert len(quoted) >= 2, quoted  # the FSDP and the pipeline page
+    for page, command, count in quoted:
+        counted = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        assert counted == count, f"{page}: {command} counts {counted}, the page says {count}"
