@@ -28,6 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import machine  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE_LR = 0.005  # SGD, momentum 0.9, at batch 64: lr 0.005 to 0.03 all learn there, 0.05 does not
 # Batch 512 trains from the first step at lr 0.02 but not at 0.04 (tried by hand): a ramp of 50 steps
@@ -138,16 +141,6 @@ def plot(report, path):
     accuracy.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def machine():
-    import platform
-
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
 
 
 if __name__ == "__main__":

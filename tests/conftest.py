@@ -240,6 +240,17 @@ def _parents():
     return parents
 
 
+def wait_for(path, *runs, timeout=120):
+    """Wait until ``path`` exists; fail (and kill the runs) if one of them ends first or it takes too long."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if any(run.process.poll() is not None for run in runs) or time.monotonic() > deadline:
+            for run in runs:
+                run.kill()
+            pytest.fail(f"{path} never appeared:\n" + "\n".join(run.output[-3000:] for run in runs))
+        time.sleep(0.05)
+
+
 def alive(pid):
     """True while ``pid`` runs (a zombie, dead but not yet reaped by its new parent, counts as gone)."""
     try:

@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import (
     ROOT, Run, alive, assert_one_line_error, launch, launcher_env, load_weights, max_difference, mnist_args, python, succeeded,
-    torchrun, worker_pids,
+    torchrun, wait_for, worker_pids,
 )
 
 # 40 fp32 steps over 2 epochs (20 steps each at global batch 32), a checkpoint every 10 steps.
@@ -39,15 +39,6 @@ def uninterrupted(mnist_dir, tmp_path_factory):
         return done[name]
 
     return get
-
-
-def wait_for(path, run, timeout=120):
-    start = time.monotonic()
-    while not path.exists():
-        if run.process.poll() is not None or time.monotonic() - start > timeout:
-            run.kill()
-            pytest.fail(f"{path} never appeared:\n{run.output[-3000:]}")
-        time.sleep(0.05)
 
 
 # DDP's resume is the stopped job's below; torchrun's restart is the same for the three scripts.

@@ -11,13 +11,13 @@ import re
 import shlex
 import shutil
 import signal
-import time
 
 import pytest
 import yaml
 
 from conftest import (
     ROOT, Run, alive, descendants, free_port, launcher_env, load_weights, max_difference, mnist_args, succeeded, torchrun,
+    wait_for,
 )
 
 STAND_INS = ROOT / "tests" / "stand_ins"
@@ -33,17 +33,6 @@ def never_stopped(mnist_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("never-stopped") / "final.pt"
     succeeded(torchrun("train_ddp.py", 2, *mnist_args(mnist_dir), *RUN, "--save", path))
     return load_weights(path)
-
-
-def wait_for(path, *runs, timeout=120):
-    """Wait until ``path`` exists; fail (and kill the runs) if one of them ends first."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if any(run.process.poll() is not None for run in runs) or time.monotonic() > deadline:
-            for run in runs:
-                run.kill()
-            pytest.fail(f"{path} never appeared:\n" + "\n".join(run.output[-2000:] for run in runs))
-        time.sleep(0.05)
 
 
 def assert_stopped(run, signal_name, checkpoint_dir):
