@@ -15,6 +15,7 @@ What FSDP changes compared with train_ddp.py:
          materialised (to_empty) and initialised (reset_parameters)
   loop   set_requires_gradient_sync(False) instead of no_sync(); bf16 through MixedPrecisionPolicy
   save   get_model_state_dict(full_state_dict=True) gathers the shards; rank 0 writes them
+Every collective is called here, or in a call marked "collective" (every rank must make it).
 """
 
 import os
@@ -28,17 +29,17 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.data.distributed import DistributedSampler
-from tqdm import tqdm
 
-from models import BabyCNN, checkpoint, data, training
+from models import BabyCNN, data
+from plumbing import core, hardening
 
 
 def main():
-    parser = training.parser(__doc__.splitlines()[0])
+    parser = core.parser(__doc__.splitlines()[0], data.add_arguments)
     parser.add_argument("--sharding", choices=("full", "grad-op", "hybrid"), default="full",
                         help="full: FULL_SHARD; grad-op: SHARD_GRAD_OP (keep gathered weights from forward to "
                         "backward); hybrid: HSDP, shard inside groups, replicate across them")
-    parser.add_argument("--replicate-degree", type=training.positive_int, default=None,
+    parser.add_argument("--replicate-degree", type=core.number(int, 1), default=None,
                         help="hybrid only: number of replica groups (default: one per node)")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="keep only each block's input for backward and recompute the rest there: less "
@@ -48,53 +49,52 @@ def main():
     args = parser.parse_args()
 
     # ---- setup: one process per device, all of them in one process group ----
-    rank = int(os.environ.get("RANK", 0))  # global rank: decides who logs and writes files
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks the GPU
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if training.use_cuda(args.device, local_rank):  # --device; one line if this node has too few GPUs
-        device = torch.device("cuda", local_rank)
+    if core.use_cuda(args.device, local_rank):  # --device; one line if this node has too few GPUs
+        device, backend = torch.device("cuda", local_rank), "nccl"
         torch.cuda.set_device(device)
-        backend = "nccl"
     else:
-        device = torch.device("cpu")
-        backend = "gloo"
+        device, backend = torch.device("cpu"), "gloo"
+    dtype, _ = core.precision(args, device)  # the weights' dtype; bf16 comes from MixedPrecisionPolicy below
+    # Find (or download) the data before the process group: no collective's timeout runs during a download.
+    found = data.find(args.dataset, args.data_dir, download=not args.no_download)
     timeout = timedelta(minutes=10)  # a collective that waits longer than this fails instead of hanging
     if "RANK" in os.environ:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-        training.die_with_launcher()  # a SIGKILLed torchrun cannot stop its workers: they stop themselves
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     else:  # plain `python train_fsdp.py`: a group of one, so every line below runs unchanged
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    rank, world_size = dist.get_rank(), dist.get_world_size()  # rank decides who logs and writes files
     try:
-        log = tqdm.write if rank == 0 else lambda *_: None
-        training.check_output_paths(args)
+        log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
+
         # The device mesh FSDP shards over: every rank in one row, or R replica groups (rows) for hybrid.
         if args.sharding == "hybrid":
             replicas = args.replicate_degree or world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             if world_size % replicas:
-                raise training.UsageError(
+                raise core.UsageError(
                     f"--replicate-degree {replicas} must be a positive divisor of the world size {world_size}")
             mesh = init_device_mesh(device.type, (replicas, world_size // replicas),
                                     mesh_dim_names=("replicate", "shard"))
         elif args.replicate_degree is not None:
-            raise training.UsageError(
+            raise core.UsageError(
                 f"--replicate-degree applies to --sharding hybrid only, not --sharding {args.sharding}")
         else:
             mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
         if args.cpu_offload and device.type != "cuda":
-            raise training.UsageError("--cpu-offload needs GPUs: it keeps shards in CPU memory for GPU compute, "
-                                      "and here everything is on the CPU already")
+            raise core.UsageError("--cpu-offload needs GPUs: it keeps shards in CPU memory for GPU compute, "
+                                  "and here everything is on the CPU already")
 
         # ---- data: the whole split on the device; DistributedSampler picks this rank's share ----
-        dataset = data.load(args.dataset, args.data_dir, device, local_rank, training.dtype(args),
-                            download=not args.no_download, log=log)
-        # drop_last: each rank gets floor(N / world_size) samples, so all ranks run the same steps
+        dataset = data.load(found, device, dtype, log)  # collective: all ranks use the same files, or stop
+        # drop_last: without it, the sampler pads the shards to equal length by repeating samples, so some
+        # would count twice in an epoch and no longer match one process on the whole set
         sampler = DistributedSampler(
             range(len(dataset.train)), num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
         )
         samples_per_step = args.batch_size * args.grad_accum  # per rank, per optimizer step
         steps_per_epoch = len(sampler) // samples_per_step
         if steps_per_epoch == 0:
-            raise training.UsageError(
+            raise core.UsageError(
                 f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} is more than the "
                 f"{len(sampler)} samples each of the {world_size} ranks gets from {dataset.name}; make it smaller"
             )
@@ -104,7 +104,7 @@ def main():
         # ---- model: on the meta device, so the whole model never exists on one rank ----
         torch.manual_seed(args.seed)
         model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device="meta",
-                        dtype=training.dtype(args))
+                        dtype=dtype)
         param_count = sum(p.numel() for p in model.parameters())
         if args.compile:  # each block in place, so its class and parameter names stay (torchtitan compiles per block)
             for block in model.blocks:
@@ -134,27 +134,25 @@ def main():
         # are the ones train_ddp.py's model gets for the same --seed.
         model.to_empty(device="cpu" if args.cpu_offload else device)
         model.reset_parameters()
-        lr = training.learning_rate(args, global_batch_size)
-        optimizer, scheduler = training.make_optimizer(args, model.parameters(), lr)
+        peak_lr, lr_at = core.lr_schedule(args, global_batch_size)
+        optimizer = core.make_optimizer(args, model.parameters())
 
         # ---- resume: every rank loads its part of the newest checkpoint in --checkpoint-dir, if any ----
-        checkpointer = checkpoint.Checkpointer(args, dataset, "data parallel (DDP or FSDP)", world_size,
-                                               global_batch_size, device)
-        resumed = checkpointer.resume(model, optimizer, scheduler, log)
+        checkpointer = hardening.Checkpointer(args, dataset.name, global_batch_size, device)
+        resumed = checkpointer.start(model, optimizer, peak_lr, log)  # collective: checks outputs, resumes
         recompute = ", activation checkpointing" if args.activation_checkpointing else ""
         log(
             f"FSDP ({args.sharding}{recompute}, mesh {tuple(mesh.shape)}) on {world_size} rank(s) "
             f"({backend}, {device.type}): "
             f"batch {args.batch_size} per rank x grad-accum {args.grad_accum} x {world_size} ranks = global batch "
-            f"{global_batch_size}; lr {lr:g}; "
+            f"{global_batch_size}; peak lr {peak_lr:g}; "
             f"{param_count:,} parameters; {args.precision}; {dataset.name}; {total_steps} steps"
         )
 
         # ---- train loop ----
-        progress = training.Progress(total_steps, global_batch_size, rank, args.log_every, device,
-                                     start_step=resumed["step"])
+        progress = core.Progress(total_steps, global_batch_size, args.log_every, device, log, resumed["step"])
         window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device: no per-step sync
-        stop, stop_signal = training.StopSignals(), 0  # SIGTERM, SIGUSR1, Ctrl-C; stop_signal: the one all ranks agreed on
+        stop, stop_signal = hardening.StopSignals(), 0  # SIGTERM, SIGUSR1, Ctrl-C; stop_signal: the one ranks agreed on
         test_loss = test_accuracy = None  # stay None with --no-eval
         first_epoch, first_step_in_epoch = resumed["epoch"], resumed["samples_into_epoch"] // global_batch_size
         for epoch in range(first_epoch, -(-total_steps // steps_per_epoch)):
@@ -176,31 +174,33 @@ def main():
                     (loss / args.grad_accum).backward()  # the step's gradient is the mean over micro-steps
                     window_loss += loss.detach()
                     window_count += 1
+                lr = lr_at(progress.step)  # a function of the step: resumes exactly
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
                 optimizer.step()
-                scheduler.step()
                 if progress.update(end_of_epoch=step_in_epoch == last - 1):
                     # One all-reduce per logging window, not per step: the mean loss over all ranks.
                     dist.all_reduce(window_loss)
-                    progress.record_loss(window_loss.item() / (window_count * world_size), "loss (all ranks)")
+                    progress.record_loss(window_loss.item() / (window_count * world_size), "loss (all ranks)", lr)
                     window_loss.zero_()
                     window_count = 0
                     # A signal reaches the ranks at different steps: they compare here, and all stop at this one.
                     agreed = torch.tensor(stop.received, device=device)
                     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
                     stop_signal = int(agreed)
-                if checkpointer.due(progress.step, stopping=stop_signal):  # a collective: every rank writes its part
+                if args.checkpoint_dir and (stop_signal or progress.step % args.checkpoint_every == 0):
                     position = {"epoch": epoch, "samples_into_epoch": (step_in_epoch + 1) * global_batch_size}
-                    checkpointer.save(progress.step, position, model, optimizer, scheduler)
+                    checkpointer.save(progress.step, position, model, optimizer, peak_lr)  # collective: all ranks
                 if stop_signal and progress.step < total_steps:  # at the last step it just finishes
-                    progress.close()
-                    raise training.Stopped(stop_signal, progress.step, total_steps, args.checkpoint_dir)
-            progress.end_epoch()
+                    stop.stop(stop_signal, progress.step, total_steps, args.checkpoint_dir)  # exits
 
-            # ---- evaluate: each rank scores a slice of the test set; the counts are all-reduced ----
+            # ---- evaluate: each rank scores a slice of the test set; the sums are all-reduced ----
             if args.no_eval:
                 continue
             model.eval()
-            test_loss, test_accuracy = data.evaluate(model, dataset.test, rank, world_size)
+            totals = data.evaluate(model, dataset.test, rank, world_size)  # each forward all-gathers: every rank
+            dist.all_reduce(totals)
+            test_loss, test_accuracy = (totals[:2] / totals[2]).tolist()
             for module in model.modules():  # no backward follows these forwards to free what they gathered
                 if isinstance(module, FSDPModule):  # (the last block; every block with grad-op)
                     module.reshard()
@@ -208,36 +208,28 @@ def main():
                 f"epoch {epoch + 1}: step {progress.step}, train loss {progress.final_train_loss:.4f} (all ranks), "
                 f"test loss {test_loss:.4f}, test accuracy {test_accuracy:.2%}"
             )
-        progress.close()
 
         # ---- save: every rank sends its shards; rank 0 gets the full state dict in CPU memory and writes ----
         if args.save:
             full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if rank == 0:
-                training.save_state_dict(full_state, args.save)
+                core.save_state_dict(full_state, args.save)
                 log(f"saved the weights to {args.save}")
-        if args.metrics:
-            summary = {
-                "strategy": "fsdp",
-                "sharding": args.sharding,
-                "activation_checkpointing": args.activation_checkpointing,
-                "mesh": list(mesh.shape),
-                "world_size": world_size,
-                "global_batch_size": global_batch_size,
-                **progress.summary(),
-                "test_loss": test_loss,
-                "test_accuracy": test_accuracy,
-                "param_count": param_count,
-                "precision": args.precision,
-                "dataset": dataset.name,
-                "lr": lr,
-            }
-            mine = {"rank": rank, "state_bytes": training.state_bytes(model, optimizer),
-                    "peak_memory_bytes": training.peak_memory_bytes(device)}
-            training.write_metrics(args.metrics, summary, mine)
+        if args.metrics:  # every rank sends what it holds to rank 0, which writes the summary
+            ranks = [None] * world_size
+            dist.all_gather_object(ranks, {"rank": rank, **core.memory(model, optimizer, device)})
+            if rank == 0:
+                core.save_json({
+                    "strategy": "fsdp", "sharding": args.sharding,
+                    "activation_checkpointing": args.activation_checkpointing,
+                    "mesh": list(mesh.shape), "world_size": world_size, "global_batch_size": global_batch_size,
+                    **progress.summary(), "test_loss": test_loss, "test_accuracy": test_accuracy,
+                    "param_count": param_count, "precision": args.precision, "dataset": dataset.name,
+                    "peak_lr": peak_lr, "ranks": ranks,
+                }, args.metrics)
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    training.fail_cleanly(main)
+    hardening.run(main, data.DataError)  # one-line errors; under torchrun, die with it

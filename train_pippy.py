@@ -13,10 +13,12 @@ What pipeline parallelism changes compared with train_ddp.py:
   model  only this rank's blocks are built (the rest of BabyCNN becomes nn.Identity), on meta,
          then materialised and initialised
   wrap   each local stage becomes a PipelineStage; a schedule (GPipe, 1F1B, interleaved, ...) runs
-         the microbatches through all of them; with D > 1 each stage is also wrapped in DDP
+         the microbatches through all of them
   loop   schedule.step(): the first stage feeds inputs, the last stage computes the loss; the
-         logged loss comes from the last stage
+         logged loss comes from the last stage; with D > 1, after the last micro-step, one all-reduce
+         averages each stage's gradients across its replicas (as DDP would, once per optimizer step)
   save   every stage's weights are gathered on rank 0, which writes one plain state dict
+Every collective is called here, or in a call marked "collective" (every rank must make it).
 """
 
 import os
@@ -31,11 +33,10 @@ from torch.distributed.pipelining import (
     PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS, ScheduleZBVZeroBubble,
 )
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
-from tqdm import tqdm
 
-from models import BabyCNN, checkpoint, data, training
+from models import BabyCNN, data
+from plumbing import core, hardening
 
 # name: (schedule class, stages per rank it runs)
 SCHEDULES = {
@@ -49,42 +50,41 @@ SCHEDULES = {
 
 
 def main():
-    parser = training.parser(__doc__.splitlines()[0])
+    parser = core.parser(__doc__.splitlines()[0], data.add_arguments)
     parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b")
-    parser.add_argument("--microbatches", type=training.positive_int, default=8,
+    parser.add_argument("--microbatches", type=core.number(int, 1), default=8,
                         help="microbatches each --batch-size is split into")
-    parser.add_argument("--stages-per-rank", type=training.positive_int, default=None,
+    parser.add_argument("--stages-per-rank", type=core.number(int, 1), default=None,
                         help="stages on each rank (default: 1 for gpipe and 1f1b, 2 for the others)")
-    parser.add_argument("--data-parallel", type=training.positive_int, default=1,
+    parser.add_argument("--data-parallel", type=core.number(int, 1), default=1,
                         help="D pipeline replicas; world size = D x pipeline ranks")
     args = parser.parse_args()
 
     # ---- setup: one process per device, all of them in one process group ----
-    rank = int(os.environ.get("RANK", 0))  # global rank: decides who logs and writes files
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks the GPU
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if training.use_cuda(args.device, local_rank):  # --device; one line if this node has too few GPUs
-        device = torch.device("cuda", local_rank)
+    if core.use_cuda(args.device, local_rank):  # --device; one line if this node has too few GPUs
+        device, backend = torch.device("cuda", local_rank), "nccl"
         torch.cuda.set_device(device)
-        backend = "nccl"
     else:
-        device = torch.device("cpu")
-        backend = "gloo"
+        device, backend = torch.device("cpu"), "gloo"
+    dtype, autocast = core.precision(args, device)  # the weights' dtype; bf16 autocast for the forward, or nothing
+    # Find (or download) the data before the process group: no collective's timeout runs during a download.
+    found = data.find(args.dataset, args.data_dir, download=not args.no_download)
     timeout = timedelta(minutes=10)  # a collective that waits longer than this fails instead of hanging
     if "RANK" in os.environ:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-        training.die_with_launcher()  # a SIGKILLed torchrun cannot stop its workers: they stop themselves
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     else:  # plain `python train_pippy.py`: a group of one, so every line below runs unchanged
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    rank, world_size = dist.get_rank(), dist.get_world_size()  # rank decides who logs and writes files
     try:
-        log = tqdm.write if rank == 0 else lambda *_: None
-        training.check_output_paths(args)
+        log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
+
         # The device mesh: world_size / D pipeline ranks (rows), each with D replicas (columns). Pipeline
         # outermost, as in torchtitan: a stage's D replicas are neighbouring ranks, so on one node where
         # they fit, and the data-parallel all-reduce (every gradient, every step) stays on the fast links;
         # only activations, between neighbouring stages, cross nodes.
         if world_size % args.data_parallel:
-            raise training.UsageError(
+            raise core.UsageError(
                 f"--data-parallel {args.data_parallel} must be a positive divisor of the world size {world_size}")
         pipeline_ranks = world_size // args.data_parallel
         mesh = init_device_mesh(device.type, (pipeline_ranks, args.data_parallel), mesh_dim_names=("pp", "dp"))
@@ -93,33 +93,28 @@ def main():
         stages_per_rank = args.stages_per_rank or (1 if stages_kind == "one" else 2)
         num_stages = pipeline_ranks * stages_per_rank
         if stages_kind == "one" and stages_per_rank != 1:
-            raise training.UsageError(f"--schedule {args.schedule} runs one stage per rank; for --stages-per-rank "
-                                      f"{stages_per_rank} use interleaved-1f1b or looped-bfs")
+            raise core.UsageError(f"--schedule {args.schedule} runs one stage per rank; for --stages-per-rank "
+                                  f"{stages_per_rank} use interleaved-1f1b or looped-bfs")
         if (stages_kind != "one" and stages_per_rank < 2) or (stages_kind == "two, in a V" and stages_per_rank != 2):
-            raise training.UsageError(f"--schedule {args.schedule} runs {stages_kind} stages per rank, "
-                                      f"not --stages-per-rank {stages_per_rank}")
+            raise core.UsageError(f"--schedule {args.schedule} runs {stages_kind} stages per rank, "
+                                  f"not --stages-per-rank {stages_per_rank}")
         check_microbatches(args, num_stages, pipeline_ranks)
         if args.schedule == "zbv" and not args.no_eval:
-            raise training.UsageError(
+            raise core.UsageError(
                 f"--schedule zbv trains, but its forward-only evaluation fails on torch {torch.__version__} "
                 "(\"can't steal_bwd_input if this stage doesn't have backward\"); add --no-eval"
             )
         if args.compile:
             # Seen on torch 2.14: compiled blocks may return non-contiguous activations, which the stages'
             # send refuses ("input tensor has to be contiguous").
-            raise training.UsageError("--compile is for train_ddp.py and train_fsdp.py: the pipeline's stages cannot "
-                                      "send the non-contiguous activations compiled blocks may return")
-        if args.data_parallel > 1 and args.schedule != "1f1b":
-            # Seen on torch 2.14: with DDP inside the stages, gpipe and the multi-stage schedules fail in
-            # DDP's reducer (its bucket rebuild expects one forward per backward); 1f1b trains exactly.
-            raise training.UsageError(f"--data-parallel {args.data_parallel} wraps each stage in DDP, which runs with "
-                                      f"--schedule 1f1b only, not {args.schedule}")
+            raise core.UsageError("--compile is for train_ddp.py and train_fsdp.py: the pipeline's stages cannot "
+                                  "send the non-contiguous activations compiled blocks may return")
 
         # ---- data: the whole split on the device; DistributedSampler picks this replica's share ----
-        dataset = data.load(args.dataset, args.data_dir, device, local_rank, training.dtype(args),
-                            download=not args.no_download, log=log)
-        # Data parallelism is across replicas: every stage of replica d walks the same shard d.
-        # drop_last: each replica gets floor(N / D) samples, so all replicas run the same steps
+        dataset = data.load(found, device, dtype, log)  # collective: all ranks use the same files, or stop
+        # Data parallelism is across replicas: every stage of replica d walks the same shard d. drop_last: without
+        # it, the sampler pads the shards to equal length by repeating samples, so some would count twice in an
+        # epoch and no longer match one process on the whole set
         sampler = DistributedSampler(
             range(len(dataset.train)), num_replicas=args.data_parallel, rank=dp_rank, shuffle=True, seed=args.seed,
             drop_last=True
@@ -127,7 +122,7 @@ def main():
         samples_per_step = args.batch_size * args.grad_accum  # per replica, per optimizer step
         steps_per_epoch = len(sampler) // samples_per_step
         if steps_per_epoch == 0:
-            raise training.UsageError(
+            raise core.UsageError(
                 f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} is more than the "
                 f"{len(sampler)} samples each of the {args.data_parallel} replicas gets from {dataset.name}; "
                 "make it smaller"
@@ -138,11 +133,11 @@ def main():
         # ---- model: this rank's blocks only (the others become nn.Identity), on meta, then initialised ----
         torch.manual_seed(args.seed)
         model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device="meta",
-                        dtype=training.dtype(args))
+                        dtype=dtype)
         param_count = sum(p.numel() for p in model.parameters())
         if num_stages > len(model.blocks):
-            raise training.UsageError(f"{pipeline_ranks} pipeline ranks x {stages_per_rank} stages per rank = "
-                                      f"{num_stages} stages, but BabyCNN has only {len(model.blocks)} blocks")
+            raise core.UsageError(f"{pipeline_ranks} pipeline ranks x {stages_per_rank} stages per rank = "
+                                  f"{num_stages} stages, but BabyCNN has only {len(model.blocks)} blocks")
         stage_blocks = model.stage_blocks(num_stages)  # contiguous blocks per stage, balanced by compute
         # Loop placement puts stage s on rank s % ranks; the V (zbv) gives rank r stages r and 2 x ranks - 1 - r.
         if args.schedule == "zbv":
@@ -157,48 +152,43 @@ def main():
         model.to_empty(device=device)
         model.reset_parameters()  # row-seeded: the values the whole model gets on one process
 
-        # ---- wrap: a PipelineStage per local stage (DDP inside when replicated), one schedule for all ----
+        # ---- wrap: a PipelineStage per local stage, one schedule for all ----
         pp_group = mesh.get_group("pp")
         stages = []
         for stage_index in stage_indices:
             # Shares model's blocks: the optimizer and the checkpoints see the same parameters.
-            stage_model = nn.Sequential(*(model.blocks[block] for block in stage_blocks[stage_index]))
-            if args.data_parallel > 1:  # average each stage's gradients with the same stage of the other replicas
-                stage_model = DDP(stage_model, process_group=mesh.get_group("dp"),
-                                  device_ids=[local_rank] if device.type == "cuda" else None)
+            stage_model = Stage([model.blocks[block] for block in stage_blocks[stage_index]], autocast)
             stages.append(PipelineStage(stage_model, stage_index, num_stages, device, group=pp_group))
         has_first_stage, has_last_stage = 0 in stage_indices, num_stages - 1 in stage_indices
 
-        def loss_fn(logits, labels):  # runs on the last stage, once per microbatch
+        def loss_fn(logits, labels):  # runs on the last stage, once per microbatch, in the weights' dtype (not bf16)
             # Each microbatch's mean loss, divided by the microbatches and the micro-steps: the summed
             # gradients are then the mean over the whole step, as in train_ddp.py.
-            return F.cross_entropy(logits, labels) / (args.microbatches * args.grad_accum)
+            return F.cross_entropy(logits.to(dtype), labels) / (args.microbatches * args.grad_accum)
 
         # scale_grads=False: we scale the loss instead. The schedule's own scaling (its default) divides
         # the whole .grad by the microbatch count at the end of every step(), so with --grad-accum it
         # would shrink the earlier micro-steps' gradients again at each later one.
         schedule = schedule_class(stages[0] if stages_kind == "one" else stages, n_microbatches=args.microbatches,
                                   loss_fn=loss_fn, scale_grads=False)
-        lr = training.learning_rate(args, global_batch_size)
-        optimizer, scheduler = training.make_optimizer(args, model.parameters(), lr)
+        peak_lr, lr_at = core.lr_schedule(args, global_batch_size)
+        optimizer = core.make_optimizer(args, model.parameters())
 
         # ---- resume: every rank loads its part of the newest checkpoint in --checkpoint-dir, if any ----
-        checkpointer = checkpoint.Checkpointer(args, dataset, f"pipeline of {num_stages} stages", world_size,
-                                               global_batch_size, device)
-        resumed = checkpointer.resume(model, optimizer, scheduler, log)
+        checkpointer = hardening.Checkpointer(args, dataset.name, global_batch_size, device)
+        resumed = checkpointer.start(model, optimizer, peak_lr, log)  # collective: checks outputs, resumes
         log(
             f"pipeline ({args.schedule}, {num_stages} stages: blocks {stage_blocks}) x {args.data_parallel} replica(s) "
             f"on {world_size} rank(s) ({backend}, {device.type}): batch {args.batch_size} per replica in "
             f"{args.microbatches} microbatches x grad-accum {args.grad_accum} x {args.data_parallel} replicas = global "
-            f"batch {global_batch_size}; lr {lr:g}; "
+            f"batch {global_batch_size}; peak lr {peak_lr:g}; "
             f"{param_count:,} parameters; {args.precision}; {dataset.name}; {total_steps} steps"
         )
 
         # ---- train loop ----
-        progress = training.Progress(total_steps, global_batch_size, rank, args.log_every, device,
-                                     start_step=resumed["step"])
+        progress = core.Progress(total_steps, global_batch_size, args.log_every, device, log, resumed["step"])
         window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device: no per-step sync
-        stop, stop_signal = training.StopSignals(), 0  # SIGTERM, SIGUSR1, Ctrl-C; stop_signal: the one all ranks agreed on
+        stop, stop_signal = hardening.StopSignals(), 0  # SIGTERM, SIGUSR1, Ctrl-C; stop_signal: the one ranks agreed on
         test_loss = test_accuracy = None  # stay None with --no-eval
         first_epoch, first_step_in_epoch = resumed["epoch"], resumed["samples_into_epoch"] // global_batch_size
         for epoch in range(first_epoch, -(-total_steps // steps_per_epoch)):
@@ -215,33 +205,40 @@ def main():
                     images, labels = dataset.train.batch(order[begin : begin + args.batch_size])
                     # Only the first stage reads inputs, only the last one sees targets and losses.
                     losses = []
-                    with training.autocast(args, device):
-                        schedule.step(*([images] if has_first_stage else []), target=labels if has_last_stage else None,
-                                      losses=losses if has_last_stage else None)
+                    # Sends and receives activations and gradients between neighbouring stages: every pipeline rank
+                    schedule.step(*([images] if has_first_stage else []), target=labels if has_last_stage else None,
+                                  losses=losses if has_last_stage else None)
                     if has_last_stage:  # the micro-step's mean loss (loss_fn divided it by microbatches x grad_accum)
                         window_loss += torch.stack(losses).detach().sum() * args.grad_accum
                     window_count += 1
+                if args.data_parallel > 1:  # average each gradient with the same stage's other replicas: one all-reduce
+                    grads = [p.grad for p in model.parameters() if p.grad is not None]
+                    flat = torch.cat([g.flatten() for g in grads])
+                    dist.all_reduce(flat, group=mesh.get_group("dp"))
+                    torch._foreach_copy_(grads, [part.view_as(g) / args.data_parallel
+                                                 for g, part in zip(grads, flat.split([g.numel() for g in grads]))])
+                lr = lr_at(progress.step)  # a function of the step: resumes exactly
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
                 optimizer.step()
-                scheduler.step()
                 if progress.update(end_of_epoch=step_in_epoch == last - 1):
                     # Only last stages hold a loss (others add 0): the all-reduce brings it to rank 0.
                     dist.all_reduce(window_loss)
-                    progress.record_loss(window_loss.item() / (window_count * args.data_parallel), "loss (last stage)")
+                    progress.record_loss(window_loss.item() / (window_count * args.data_parallel), "loss (last stage)",
+                                         lr)
                     window_loss.zero_()
                     window_count = 0
                     # A signal reaches the ranks at different steps: they compare here, and all stop at this one.
                     agreed = torch.tensor(stop.received, device=device)
                     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
                     stop_signal = int(agreed)
-                if checkpointer.due(progress.step, stopping=stop_signal):  # a collective: every rank writes its part
+                if args.checkpoint_dir and (stop_signal or progress.step % args.checkpoint_every == 0):
                     position = {"epoch": epoch, "samples_into_epoch": (step_in_epoch + 1) * global_batch_size}
-                    checkpointer.save(progress.step, position, model, optimizer, scheduler)
+                    checkpointer.save(progress.step, position, model, optimizer, peak_lr)  # collective: all ranks
                 if stop_signal and progress.step < total_steps:  # at the last step it just finishes
-                    progress.close()
-                    raise training.Stopped(stop_signal, progress.step, total_steps, args.checkpoint_dir)
-            progress.end_epoch()
+                    stop.stop(stop_signal, progress.step, total_steps, args.checkpoint_dir)  # exits
 
-            # ---- evaluate: each replica scores a slice of the test set; the counts are all-reduced ----
+            # ---- evaluate: each replica scores a slice of the test set; the sums are all-reduced ----
             if args.no_eval:
                 continue
             model.eval()
@@ -251,16 +248,14 @@ def main():
                                        target=labels if has_last_stage else None)
                 return logits if has_last_stage else None
 
-            with training.autocast(args, device):
-                test_loss, test_accuracy = data.evaluate(
-                    pipeline_forward, dataset.test, dp_rank, args.data_parallel, batch_size=args.batch_size,
-                    pipeline=True,
-                )
+            totals = data.evaluate(pipeline_forward, dataset.test, dp_rank, args.data_parallel,
+                                   batch_size=args.batch_size, pipeline=True)  # zeros where no last stage
+            dist.all_reduce(totals)
+            test_loss, test_accuracy = (totals[:2] / totals[2]).tolist()
             log(
                 f"epoch {epoch + 1}: step {progress.step}, train loss {progress.final_train_loss:.4f} (last stage), "
                 f"test loss {test_loss:.4f}, test accuracy {test_accuracy:.2%}"
             )
-        progress.close()
 
         # ---- save: replica 0's stages send their weights to rank 0, which writes one state dict ----
         if args.save:
@@ -268,52 +263,57 @@ def main():
             gathered = [None] * world_size if rank == 0 else None
             dist.gather_object(mine if dp_rank == 0 else {}, gathered, dst=0)
             if rank == 0:
-                training.save_state_dict({name: t for part in gathered for name, t in part.items()}, args.save)
+                core.save_state_dict({name: t for part in gathered for name, t in part.items()}, args.save)
                 log(f"saved the weights to {args.save}")
-        if args.metrics:
-            summary = {
-                "strategy": "pipeline",
-                "schedule": args.schedule,
-                "microbatches": args.microbatches,
-                "stages": num_stages,
-                "data_parallel": args.data_parallel,
-                "world_size": world_size,
-                "global_batch_size": global_batch_size,
-                **progress.summary(),
-                "test_loss": test_loss,
-                "test_accuracy": test_accuracy,
-                "param_count": param_count,
-                "precision": args.precision,
-                "dataset": dataset.name,
-                "lr": lr,
-            }
-            mine = {"rank": rank, "stages": stage_indices, "blocks": [stage_blocks[i] for i in stage_indices],
-                    "state_bytes": training.state_bytes(model, optimizer),
-                    "peak_memory_bytes": training.peak_memory_bytes(device)}
-            training.write_metrics(args.metrics, summary, mine)
+        if args.metrics:  # every rank sends what it holds to rank 0, which writes the summary
+            ranks = [None] * world_size
+            dist.all_gather_object(ranks, {"rank": rank, "stages": stage_indices,
+                                           "blocks": [stage_blocks[i] for i in stage_indices],
+                                           **core.memory(model, optimizer, device)})
+            if rank == 0:
+                core.save_json({
+                    "strategy": "pipeline", "schedule": args.schedule, "microbatches": args.microbatches,
+                    "stages": num_stages, "data_parallel": args.data_parallel, "world_size": world_size,
+                    "global_batch_size": global_batch_size, **progress.summary(), "test_loss": test_loss,
+                    "test_accuracy": test_accuracy, "param_count": param_count, "precision": args.precision,
+                    "dataset": dataset.name, "peak_lr": peak_lr, "ranks": ranks,
+                }, args.metrics)
     finally:
         dist.destroy_process_group()
+
+
+class Stage(nn.Sequential):
+    """Some of BabyCNN's blocks, run as one pipeline stage, with autocast around their forward only: the
+    schedule runs backward outside it (autocast belongs to the forward; backward ops follow its dtypes)."""
+
+    def __init__(self, blocks, autocast):
+        super().__init__(*blocks)
+        self.autocast = autocast  # a reusable context: torch.autocast or nullcontext
+
+    def forward(self, x):
+        with self.autocast:
+            return super().forward(x)
 
 
 def check_microbatches(args, num_stages, pipeline_ranks):
     """Refuse, before any communication, the layouts whose schedules would fail or hang."""
     if args.batch_size % args.microbatches:
-        raise training.UsageError(
+        raise core.UsageError(
             f"--batch-size {args.batch_size} does not split into --microbatches {args.microbatches} equal microbatches")
     if args.schedule == "1f1b" and args.microbatches < num_stages:
-        raise training.UsageError(f"--schedule 1f1b needs at least as many microbatches as stages ({num_stages}), "
-                                  f"got --microbatches {args.microbatches}")
+        raise core.UsageError(f"--schedule 1f1b needs at least as many microbatches as stages ({num_stages}), "
+                              f"got --microbatches {args.microbatches}")
     if args.schedule in ("interleaved-1f1b", "interleaved-zb"):
         rounds = max(1, args.microbatches // pipeline_ranks)
         if args.microbatches % rounds:
-            raise training.UsageError(
+            raise core.UsageError(
                 f"--schedule {args.schedule} runs microbatches in rounds of {pipeline_ranks} (the pipeline ranks): "
                 f"--microbatches {args.microbatches} is not a multiple of its {rounds} rounds"
             )
     if args.schedule == "zbv" and args.microbatches < num_stages:
-        raise training.UsageError(f"--schedule zbv needs at least as many microbatches as stages ({num_stages}), "
-                                  f"got --microbatches {args.microbatches}")
+        raise core.UsageError(f"--schedule zbv needs at least as many microbatches as stages ({num_stages}), "
+                              f"got --microbatches {args.microbatches}")
 
 
 if __name__ == "__main__":
-    training.fail_cleanly(main)
+    hardening.run(main, data.DataError)  # one-line errors; under torchrun, die with it

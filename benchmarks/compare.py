@@ -208,9 +208,23 @@ def gpu_figures(bench, steps, ranks):
     return {"name": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "steps": steps, "rows": rows}
 
 
+def steady_state(metrics, log_every=20):
+    """(first step, samples/s) of a run's steady state, from its metrics' loss curve of [step, loss, training
+    seconds]: from the first curve point at least max(log_every, steps // 10) steps past the start, to the end of
+    training (the first steps pay for lazy initialisation, cuDNN's algorithm search, the allocator's growth).
+    ``log_every`` is the run's --log-every (the scripts' default here). (None, None) for a run too short to have
+    one. The runs here start at step 0 (none resumes from a checkpoint)."""
+    end = metrics["steps"]
+    point = next((p for p in metrics["loss_curve"] if p[0] >= max(log_every, end // 10)), None)
+    if point is None or point[0] == end:
+        return None, None
+    step, _, seconds = point
+    return step, (end - step) * metrics["global_batch_size"] / max(metrics["train_seconds"] - seconds, 1e-9)
+
+
 def _gpu_row(run, ranks, batch, metrics):
     return {"run": run, "ranks": ranks, "batch_size": batch, "samples_per_second": metrics["samples_per_second"],
-            "steady_samples_per_second": metrics["steady_samples_per_second"],
+            "steady_samples_per_second": steady_state(metrics)[1],
             "peak_memory_bytes": max(r["peak_memory_bytes"] for r in metrics["ranks"])}
 
 
@@ -274,7 +288,7 @@ def plot(r, path):
 
     fig, (curves, speed, memory) = plt.subplots(1, 3, figsize=(15, 4.2))
     for label, curve in r["loss_curves"].items():
-        curves.plot([s for s, _ in curve], [loss for _, loss in curve], marker=".", label=label)
+        curves.plot([s for s, _, _ in curve], [loss for _, loss, _ in curve], marker=".", label=label)
     curves.set(title="training loss (logged, all ranks / last stage)", xlabel="optimizer step", ylabel="loss", yscale="log")
     curves.legend()
     for strategy, one, two, label in (("ddp", "ddp_1", "ddp_2", "DDP"), ("fsdp", "fsdp_1", "fsdp_2", "FSDP"),

@@ -34,7 +34,8 @@ def timed(batches):
 
 
 # The project's path: uint8 on the device, a shuffled order, gather + normalise per batch.
-split = Split(images, labels, torch.tensor(1 / (255 * std)).view(1, 1, 1, 1), torch.tensor(-mean / std).view(1, 1, 1, 1))
+split = Split(inputs=images, labels=labels, scale=torch.tensor(1 / (255 * std)).view(1, 1, 1, 1),
+              shift=torch.tensor(-mean / std).view(1, 1, 1, 1))
 order = torch.randperm(count)
 device_loader = timed(split.batch(order[i : i + args.batch_size]) for i in range(0, count, args.batch_size))
 

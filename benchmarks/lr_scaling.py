@@ -68,8 +68,8 @@ def finish(name, batch, process, metrics):
     result = {"global_batch_size": batch, "epochs": epochs, "error": error}
     if metrics.exists():  # not written by a run that stopped on a non-finite loss
         m = json.loads(metrics.read_text())
-        result.update(lr=m["lr"], steps=m["steps"], samples_per_second=m["samples_per_second"],
-                      loss_curve=[[step * batch, loss] for step, loss in m["loss_curve"]])
+        result.update(lr=m["peak_lr"], steps=m["steps"], samples_per_second=m["samples_per_second"],
+                      loss_curve=[[step * batch, loss] for step, loss, _ in m["loss_curve"]])
     print(f"done {name}: " + (", ".join(f"epoch {e['epoch']} {e['test_accuracy']:.2%}" for e in epochs) or error),
           flush=True)
     return result

@@ -5,8 +5,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import training  # noqa: E402
 from models.data import synthetic_digits  # noqa: E402
+from plumbing import core  # noqa: E402
 
 
 def batches(steps, batch_size, seed):
@@ -17,5 +17,11 @@ def batches(steps, batch_size, seed):
 
 
 def optimizer(parameters):
-    """The scripts' optimizer (AdamW, fused) from their own function, with their default flags."""
-    return training.make_optimizer(training.parser("benchmark").parse_args([]), parameters, lr=1e-3)[0]
+    """The scripts' optimizer (AdamW, fused) from their own function, with their default flags. The scripts set
+    the lr in their loop, step by step; without --warmup-steps it is the peak lr, 1e-3, at every step."""
+    args = core.parser("benchmark").parse_args([])
+    optimizer = core.make_optimizer(args, parameters)
+    peak_lr, _ = core.lr_schedule(args, args.base_batch_size)
+    for group in optimizer.param_groups:
+        group["lr"] = peak_lr
+    return optimizer

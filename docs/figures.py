@@ -28,6 +28,7 @@ import json
 import re
 import sys
 import tempfile
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -40,7 +41,6 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from models import BabyCNN  # noqa: E402
-from train_pippy import SCHEDULES  # noqa: E402  the --schedule names and their classes, as the script maps them
+from train_pippy import SCHEDULES, Stage  # noqa: E402  the --schedule names and their classes, as the script maps them
 
 WORLD = 4  # gloo processes: 2 pipeline ranks x 2 replicas, 4 FSDP shards, 2 nodes x 2 processes, 4 ring ranks
 PIPELINE_RANKS, MICROBATCHES = 2, 4
@@ -111,7 +111,7 @@ def run_schedules(mesh):
         stage_blocks = model.stage_blocks(num_stages)
         log, stages = [], []
         for stage_index in stage_indices:
-            stage_model = nn.Sequential(*(model.blocks[block] for block in stage_blocks[stage_index]))
+            stage_model = Stage([model.blocks[block] for block in stage_blocks[stage_index]], nullcontext())  # fp32
             stages.append(PipelineStage(stage_model, stage_index, num_stages, torch.device("cpu"), group=pp_group))
             record_actions(stages[-1], log)
         schedule = schedule_class(stages[0] if stages_kind == "one" else stages, n_microbatches=MICROBATCHES,

@@ -1,4 +1,4 @@
-"""What the three training scripts share and do not teach: the model and the data."""
+"""The model and the data the three training scripts share: BabyCNN, the datasets and evaluation."""
 
 from models.babycnn import BabyCNN
 

@@ -1,16 +1,17 @@
 """Image data for the three training scripts, kept as tensors on the training device.
 
-A split is held whole as a ``uint8`` tensor (N, C, H, W) on the device, with its labels. A batch is
-gathered by index (``split.batch(indices)``) and normalised there: no Dataset, no DataLoader
-workers, no per-sample Python or PIL on the hot path. Which indices a rank uses is decided by the
-training script with ``torch.utils.data.DistributedSampler``, so the sharding stays visible there.
+A split is held whole as a tensor on the device (``uint8`` images (N, C, H, W), or any inputs), with its labels.
+A batch is gathered by index (``split.batch(indices)``) and normalised there: no Dataset, no DataLoader workers,
+no per-sample Python or PIL on the hot path. Which indices a rank uses is decided by the training script with
+``torch.utils.data.DistributedSampler``, so the sharding stays visible there.
 
-Datasets: ``mnist``, ``fashion-mnist`` and ``cifar10`` through torchvision (downloaded into
-``--data-dir`` by each node's local rank 0 while the node's other ranks wait), and ``synthetic``:
-an offline, deterministic, learnable 10-class set of digit glyphs drawn from a small built-in bitmap
-font. ``auto`` takes MNIST when it is on disk or can be downloaded, else the synthetic set.
+Datasets: ``mnist``, ``fashion-mnist`` and ``cifar10`` through torchvision, and ``synthetic``: an offline,
+deterministic, learnable 10-class set of digit glyphs drawn from a small built-in bitmap font. ``auto`` takes
+MNIST when it is on disk or can be downloaded, else the synthetic set. ``find`` looks for the files (downloading
+them where allowed) before the process group exists; ``load`` makes every rank agree on them and reads them.
 """
 
+import fcntl
 import math
 import os
 import socket
@@ -22,7 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-DATASETS = ("auto", "synthetic", "mnist", "fashion-mnist", "cifar10")
 NUM_CLASSES = 10  # every one of them: ten digits, ten garments, ten CIFAR classes
 DOWNLOAD_TIMEOUT_SECONDS = 5
 
@@ -33,73 +33,93 @@ class DataError(Exception):
 
 @dataclass
 class Split:
-    images: torch.Tensor  # uint8 (N, C, H, W) on the training device
+    inputs: torch.Tensor  # on the training device: uint8 images (N, C, H, W), or any (N, ...) tensor
     labels: torch.Tensor  # int64 (N,) on the training device
-    scale: torch.Tensor  # (1, C, 1, 1): 1 / (255 * std), in the dtype of the model's inputs
-    shift: torch.Tensor  # (1, C, 1, 1): -mean / std
+    scale: torch.Tensor | float = 1.0  # uint8 images: (1, C, 1, 1) 1 / (255 * std), in the model's input dtype
+    shift: torch.Tensor | float = 0.0  # and -mean / std
 
     def __len__(self):
         return self.labels.shape[0]
 
     def batch(self, indices):
-        """Normalised images (in ``scale``'s dtype) and labels for ``indices`` (a tensor on the same device)."""
-        return self.images[indices].to(self.scale.dtype) * self.scale + self.shift, self.labels[indices]
+        """Normalised inputs and labels for ``indices`` (a tensor on the same device)."""
+        return self.inputs[indices] * self.scale + self.shift, self.labels[indices]
 
 
 @dataclass
-class ImageData:
+class Dataset:
     name: str
     train: Split
     test: Split
-    num_classes: int
+    num_classes: int = NUM_CLASSES
 
     @property
     def in_channels(self):
-        return self.train.images.shape[1]
+        return self.train.inputs.shape[1]
 
     @property
     def image_size(self):
-        return self.train.images.shape[2]
+        return self.train.inputs.shape[2]
 
 
-def load(name, data_dir, device, local_rank, dtype=torch.float32, download=True, log=print):
-    """Load ``name`` onto ``device`` on every rank, as ``dtype`` batches. ``log`` is called on rank 0 only.
+def add_arguments(parser):
+    add = parser.add_argument
+    add("--dataset", choices=("auto", "synthetic", *_TORCHVISION), default="auto",
+        help="auto: MNIST if on disk or downloadable, else synthetic")
+    add("--data-dir", default="./data", help="where torchvision datasets are read from and downloaded to")
+    add("--no-download", action="store_true", help="never use the network; use only files already in --data-dir")
 
-    Nodes need not share a filesystem: each node's local rank 0 checks (and, if allowed, downloads)
-    the files in its own ``data_dir`` while the node's other ranks wait. Then every rank sees every
-    node's answer (an all-gather), so all of them train on the same dataset, ``auto`` included, or
-    all of them stop together with one line that names the node lacking the files.
-    """
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    # Rank 0's node goes first: where the nodes share storage, the others then find the files and
-    # download nothing, so no two processes ever write the same files.
-    mine, splits = _check_node(name, data_dir, download) if rank == 0 else (None, None)
-    answers = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-        if local_rank == 0 and rank != 0:
-            mine, splits = _check_node(name, data_dir, download)
-        answers = [None] * dist.get_world_size()
-        dist.all_gather_object(answers, mine)  # also a barrier: nobody reads before its node has the files
-    nodes = [answer for answer in answers if answer is not None]
-    resolved = _agree(name, nodes, log)
+
+def find(name, data_dir, download=True):
+    """This process's view of the files of dataset ``name``, to hand to ``load``: whether they are there (downloaded
+    first, when missing and allowed), or what is wrong with them. Call it before the process group exists: a
+    download may outlast any collective's timeout. The processes sharing a ``data_dir`` take turns (a file lock),
+    so one downloads and the others then find the files."""
+    found = {"name": name, "data_dir": os.path.abspath(data_dir), "missing": None, "broken": None,
+             "node": f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"}
+    if name == "synthetic":
+        return found
+    wanted = "mnist" if name == "auto" else name
+    found["missing"] = None if _on_disk(wanted, data_dir) else "--no-download forbids fetching it"
+    if found["missing"] and download:
+        try:
+            os.makedirs(data_dir, exist_ok=True)
+            with open(os.path.join(data_dir, ".download-lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+                found["missing"] = _download(wanted, data_dir)  # None if another process got there first
+        except OSError as error:
+            found["missing"] = f"{data_dir} cannot be written ({error.strerror or error})"
+    if found["missing"] is None:
+        try:  # every check the read makes, so that a broken file is found before the ranks agree
+            found["splits"] = [_read(wanted, data_dir, train) for train in (True, False)]
+            (train_images, _), (test_images, _) = found["splits"]
+            if train_images.shape[1:] != test_images.shape[1:]:
+                raise DataError(f"{wanted} in {found['data_dir']} has training images of shape "
+                                f"{tuple(train_images.shape[1:])} but test images of {tuple(test_images.shape[1:])}")
+        except DataError as error:
+            found["broken"], found["splits"] = str(error), None
+    return found
+
+
+def load(found, device, dtype=torch.float32, log=print):
+    """Collective (every rank must call it): every rank sees every rank's ``find`` (an all_gather), so all of them
+    train on the same dataset, ``auto`` included, or all stop with one line naming the node that lacks the files.
+    Then each rank puts the splits on its ``device``, as ``dtype`` batches. ``log`` speaks for rank 0 only."""
+    answers = [None] * dist.get_world_size()
+    dist.all_gather_object(answers, {k: v for k, v in found.items() if k != "splits"})
+    resolved = _agree(found["name"], answers, log)
     if resolved == "synthetic":
         (train_x, train_y), (test_x, test_y) = synthetic_digits(60_000, seed=0), synthetic_digits(10_000, seed=1)
     else:
-        # A node's local rank 0 has read the files already, to check them; the other ranks read them now.
-        (train_x, train_y), (test_x, test_y) = splits or [_read(resolved, data_dir, train) for train in (True, False)]
+        (train_x, train_y), (test_x, test_y) = found["splits"]
     # Normalise with the training split's own statistics, computed once on the device.
     train_x, test_x = train_x.to(device), test_x.to(device)
     pixels = train_x.float().div_(255).transpose(0, 1).flatten(1)
     mean, std = pixels.mean(dim=1), pixels.std(dim=1)
     scale = (1 / (255 * std)).view(1, -1, 1, 1).to(dtype)
     shift = (-mean / std).view(1, -1, 1, 1).to(dtype)
-    return ImageData(
-        resolved,
-        Split(train_x, train_y.to(device), scale, shift),
-        Split(test_x, test_y.to(device), scale, shift),
-        NUM_CLASSES,
-    )
+    train, test = Split(train_x, train_y.to(device), scale, shift), Split(test_x, test_y.to(device), scale, shift)
+    return Dataset(resolved, train, test)
 
 
 _TORCHVISION = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "cifar10": "CIFAR10"}
@@ -111,33 +131,12 @@ _FILES = {
 }
 
 
-def _check_node(name, data_dir, download):
-    """On each node's local rank 0: (this node's name and why its files are missing or broken, None
-    if fine; the (train, test) splits it read to check them, or None)."""
-    node = f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"
-    answer = {"node": node, "data_dir": os.path.abspath(data_dir), "missing": None, "broken": None}
-    if name != "synthetic":
-        wanted = "mnist" if name == "auto" else name
-        answer["missing"] = _ensure_files(wanted, data_dir, download)
-        if answer["missing"] is None:
-            try:  # every check the ranks' own reads will make, once, here
-                splits = [_read(wanted, data_dir, train) for train in (True, False)]
-                (train_images, _), (test_images, _) = splits
-                if train_images.shape[1:] != test_images.shape[1:]:
-                    raise DataError(f"{wanted} in {answer['data_dir']} has training images of shape "
-                                    f"{tuple(train_images.shape[1:])} but test images of "
-                                    f"{tuple(test_images.shape[1:])}")
-                return answer, splits
-            except DataError as error:
-                answer["broken"] = str(error)
-    return answer, None
-
-
-def _agree(name, nodes, log):
-    """The dataset every rank uses, from every node's answer; a DataError when a node lacks the files."""
+def _agree(name, answers, log):
+    """The dataset every rank uses, from every rank's answer; a DataError when a node lacks the files."""
     if name == "synthetic":
         return "synthetic"
-    several = len(nodes) > 1
+    nodes = list({answer["node"]: answer for answer in answers}.values())  # one answer per node and directory
+    several = len({answer["node"] for answer in answers}) > 1
     broken = [node for node in nodes if node["broken"]]
     if broken:  # files that are there but wrong are an error, also for auto: never a silent fallback
         raise DataError(broken[0]["broken"] + (f" (on {broken[0]['node']})" if several else ""))
@@ -171,12 +170,10 @@ def _on_disk(name, data_dir):
     return all(os.path.isfile(os.path.join(raw, file)) for file in _IDX)
 
 
-def _ensure_files(name, data_dir, download):
-    """None when the files are on disk (downloading them if allowed), else why they are not."""
+def _download(name, data_dir):
+    """None when the files are on disk, or downloaded now; else why they are not."""
     if _on_disk(name, data_dir):
         return None
-    if not download:
-        return "--no-download forbids fetching it"
     import torchvision
 
     previous_timeout = socket.getdefaulttimeout()
@@ -332,16 +329,15 @@ def synthetic_digits(count, seed, image_size=28):
 
 @torch.no_grad()
 def evaluate(forward, split, rank, world_size, batch_size=512, pipeline=False):
-    """Test loss and accuracy of ``forward`` (images -> logits) over all of ``split``.
+    """This rank's share of the test loss and accuracy of ``forward`` (inputs -> logits) over all of ``split``:
+    a float64 tensor (loss sum, correct, count). All-reduced over every rank, it gives the whole split's.
 
-    ``rank`` and ``world_size`` count data-parallel replicas: each takes a contiguous slice of the
-    test set (no sample twice, none left out) and the sums are all-reduced over every process.
-    Every replica runs the same number of batches, even when its slice is one sample shorter,
-    because a sharded model (FSDP) needs every rank in each forward's all-gather.
+    ``rank`` and ``world_size`` count data-parallel replicas: each takes a contiguous slice of the test set (no
+    sample twice, none left out). Every replica runs the same number of batches, even when its slice is one
+    sample shorter, because a sharded model (FSDP) needs every rank in each forward's all-gather.
 
-    With ``pipeline=True``, ``forward(images, labels)`` runs a pipeline schedule: every batch has
-    the same shape (short ones are padded, the padding not counted), the labels go to the last
-    stage, and ranks without the last stage return None and add nothing.
+    With ``pipeline=True``, ``forward(inputs, labels)`` runs a pipeline schedule: every batch has the same shape
+    (short ones are padded, the padding not counted), and ranks without the last stage return None and add nothing.
     """
     shard = torch.arange(len(split), device=split.labels.device).tensor_split(world_size)[rank]
     num_batches = math.ceil(math.ceil(len(split) / world_size) / batch_size)
@@ -351,15 +347,12 @@ def evaluate(forward, split, rank, world_size, batch_size=512, pipeline=False):
         real = indices.numel()
         if pipeline:
             indices = torch.cat([indices, indices.new_zeros(batch_size - real)])
-        images, labels = split.batch(indices)
-        logits = forward(images, labels) if pipeline else forward(images)
+        inputs, labels = split.batch(indices)
+        logits = forward(inputs, labels) if pipeline else forward(inputs)
         if logits is None:
             continue
         logits, labels = logits[:real].float(), labels[:real]
         totals[0] += F.cross_entropy(logits, labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += real
-    if dist.is_initialized():
-        dist.all_reduce(totals)
-    loss_sum, correct, count = totals.tolist()
-    return loss_sum / count, correct / count
+    return totals

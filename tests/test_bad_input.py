@@ -19,17 +19,17 @@ from models.data import synthetic_digits
 CASES = {
     # flags
     "zero-batch": ("train_ddp.py", 1, ["--dataset", "synthetic", "--batch-size", "0"],
-                   "argument --batch-size: must be a positive integer, got 0"),
+                   "argument --batch-size: must be at least 1, got 0"),
     "unknown-dataset": ("train_ddp.py", 1, ["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
     "weight-decay-nan": ("train_ddp.py", 1, ["--weight-decay", "nan"],
-                         "argument --weight-decay: must be a finite number, 0 or more, got nan"),
+                         "argument --weight-decay: must be at least 0, got nan"),
     "weight-decay-negative": ("train_ddp.py", 1, ["--weight-decay", "-1"],
-                              "argument --weight-decay: must be a finite number, 0 or more, got -1"),
+                              "argument --weight-decay: must be at least 0, got -1"),
     "momentum-negative": ("train_ddp.py", 1, ["--momentum", "-1"], "argument --momentum: must be at least 0 and below 1, got -1"),
     "replicate-degree-0": ("train_fsdp.py", 1, ["--replicate-degree", "0"],
-                           "argument --replicate-degree: must be a positive integer, got 0"),
+                           "argument --replicate-degree: must be at least 1, got 0"),
     "stages-per-rank-0": ("train_pippy.py", 1, ["--stages-per-rank", "0"],
-                          "argument --stages-per-rank: must be a positive integer, got 0"),
+                          "argument --stages-per-rank: must be at least 1, got 0"),
     # layouts and devices
     "batch-over-shard": ("train_ddp.py", 2, [*mnist_args("{mnist}"), "--batch-size", "321"],
                          "is more than the 320 samples each of the 2 ranks gets"),

@@ -13,6 +13,7 @@ from conftest import (
     EQUIVALENCE, ROOT, Run, assert_same_math, child_env, free_port, launcher_env, load_weights, max_difference,
     mnist_args, python, succeeded, torchrun, worker_pids,
 )
+from benchmarks.compare import steady_state
 from models import BabyCNN
 
 
@@ -104,14 +105,18 @@ def test_short_run_learns_with_all_reduced_loss_and_metrics(mnist_dir, tmp_path)
     metrics = json.loads(metrics_path.read_text())
     assert metrics["dataset"] == "mnist"  # auto found the files on disk
     assert metrics["world_size"] == 2 and metrics["global_batch_size"] == 64
-    assert metrics["lr"] == pytest.approx(2e-3)  # linear scaling rule: 1e-3 * 64 / 32
+    assert metrics["peak_lr"] == pytest.approx(2e-3)  # linear scaling rule: 1e-3 * 64 / 32
     assert metrics["steps"] == 10 * (640 // 2 // 32)
-    curve = [loss for _, loss in metrics["loss_curve"]]
+    curve = [loss for _, loss, _ in metrics["loss_curve"]]
     assert curve[-1] < curve[0] / 3, curve
     assert metrics["test_accuracy"] > 0.7  # chance is 0.1
     assert metrics["samples_per_second"] > 0 and metrics["final_train_loss"] == curve[-1]
-    # The steady-state clock starts at the first logging point past a tenth of the 100 steps: step 20.
-    assert metrics["steady_from_step"] == 20 and metrics["steady_samples_per_second"] > 0
+    # Each curve point holds the training seconds so far, from which benchmarks/compare.py takes the steady
+    # state: from the first logging point past a tenth of the 100 steps (step 20) to the end.
+    seconds = [s for _, _, s in metrics["loss_curve"]]
+    assert 0 < seconds[0] and seconds == sorted(seconds) and seconds[-1] <= metrics["train_seconds"], seconds
+    steady_from, steady_rate = steady_state(metrics, log_every=20)
+    assert steady_from == 20 and steady_rate > 0
     # Every rank holds everything: weights + gradients + two AdamW moments = 4 x the parameters.
     assert [r["rank"] for r in metrics["ranks"]] == [0, 1]
     for record in metrics["ranks"]:
@@ -129,15 +134,17 @@ def test_bf16_autocast_trains(mnist_dir, tmp_path):
     succeeded(run)
     metrics = json.loads(metrics_path.read_text())
     assert metrics["precision"] == "bf16"
-    curve = [loss for _, loss in metrics["loss_curve"]]
+    curve = [loss for _, loss, _ in metrics["loss_curve"]]
     assert all(loss == loss for loss in curve) and curve[-1] < curve[0], curve
 
 
-def test_workers_restarted_by_torchrun_do_not_repeat_the_error_line(mnist_dir):
-    # torchrun tells a restarted worker its attempt in TORCHELASTIC_RESTART_COUNT; the first said it.
+def test_an_error_after_a_torchrun_restart_is_printed_with_its_attempt(mnist_dir):
+    # torchrun tells a restarted worker its attempt in TORCHELASTIC_RESTART_COUNT; a restart can fail where the
+    # first attempt did not, so every attempt says its error, and which attempt it was.
     for flags in (["--batch-size", "0"], ["--dataset", "mnist", "--no-download", "--data-dir", mnist_dir / "missing"]):
         run = python("train_ddp.py", *flags, env=child_env(TORCHELASTIC_RESTART_COUNT=1)).wait()
-        assert run.returncode == 2 and "error:" not in run.output, run.output
+        errors = [line for line in run.output.splitlines() if line.startswith("error:")]
+        assert run.returncode == 2 and len(errors) == 1 and errors[0].endswith("(torchrun restart 1)"), run.output
 
 
 def test_a_rank_that_dies_ends_the_whole_job_quickly(mnist_dir):

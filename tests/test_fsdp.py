@@ -85,7 +85,7 @@ def test_bf16_mixed_precision_learns(mnist_dir, tmp_path):
     succeeded(run)
     metrics = json.loads(metrics_path.read_text())
     assert metrics["precision"] == "bf16" and metrics["strategy"] == "fsdp"
-    curve = [loss for _, loss in metrics["loss_curve"]]
+    curve = [loss for _, loss, _ in metrics["loss_curve"]]
     assert curve[-1] < curve[0] / 2, curve
     assert metrics["test_accuracy"] > 0.5  # chance is 0.1
     assert run.output.count("epoch 3:") == 1 and "loss (all ranks)" in run.output

@@ -21,6 +21,8 @@ LAYOUTS = {
     "zbv-2x2-accumulate": (2, ["--schedule", "zbv", *ACCUMULATE, "--no-eval"]),
     "1f1b-2-stages-x-2-replicas-accumulate": (4, ["--schedule", "1f1b", "--data-parallel", "2", "--batch-size", "8",
                                                   "--grad-accum", "2", "--microbatches", "4"]),
+    "gpipe-2-stages-x-2-replicas-accumulate": (4, ["--schedule", "gpipe", "--data-parallel", "2", "--batch-size", "8",
+                                                   "--grad-accum", "2", "--microbatches", "4"]),
 }
 
 
@@ -36,8 +38,8 @@ def test_every_schedule_matches_one_ddp_process(name, reference, reference_metri
     assert metrics["global_batch_size"] == 32
     # The loss rank 0 logs is the model's real loss, sent from the last stage: the same as DDP's (both
     # are summed in a float32 window, hence a float32 tolerance).
-    assert [s for s, _ in metrics["loss_curve"]] == [s for s, _ in reference_metrics["loss_curve"]]
-    for (_, mine), (_, theirs) in zip(metrics["loss_curve"], reference_metrics["loss_curve"]):
+    assert [s for s, _, _ in metrics["loss_curve"]] == [s for s, _, _ in reference_metrics["loss_curve"]]
+    for (_, mine, _), (_, theirs, _) in zip(metrics["loss_curve"], reference_metrics["loss_curve"]):
         assert mine == pytest.approx(theirs, rel=1e-5)
     if "--no-eval" not in flags:  # evaluation also runs through the pipeline
         assert metrics["test_accuracy"] == pytest.approx(reference_metrics["test_accuracy"], abs=1e-9)
@@ -54,7 +56,7 @@ def test_short_run_learns_and_rank_zero_reports_the_last_stage_loss(mnist_dir, t
     run = torchrun("train_pippy.py", 2, *mnist_args(mnist_dir), "--epochs", "4", "--batch-size", "32", "--metrics", metrics_path)
     succeeded(run)
     metrics = json.loads(metrics_path.read_text())
-    curve = [loss for _, loss in metrics["loss_curve"]]
+    curve = [loss for _, loss, _ in metrics["loss_curve"]]
     assert curve[-1] < curve[0] / 2, curve
     assert metrics["test_accuracy"] > 0.7  # chance is 0.1
     assert "loss (last stage)" in run.output and run.output.count("epoch 4:") == 1

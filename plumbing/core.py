@@ -1,0 +1,179 @@
+"""What a training script needs besides its model and data: flags, optimizer, lr, device, log, files. No collectives."""
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+class UsageError(Exception):
+    """Bad flags, a layout that cannot work, a run that cannot go on: one line from rank 0, exit code 2."""
+
+
+class NodeError(UsageError):
+    """A problem of one node (its GPUs), found before the process group exists: each such node says it."""
+
+
+def say(line, rank=None):  # on stderr, from the process whose global (or given) rank is 0, on every torchrun attempt
+    if (int(os.environ.get("RANK", "0")) if rank is None else rank) == 0:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        print(line + (f" (torchrun restart {attempt})" if attempt else ""), file=sys.stderr, flush=True)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage + error on every rank: one line, once
+        say(f"error: {message} (see --help)")
+        sys.exit(2)
+
+    class Formatter(argparse.ArgumentDefaultsHelpFormatter):
+        def _get_help_string(self, action):  # "(default: X)" only where X says something, and only once
+            quiet = action.default is None or "(default" in action.help
+            return action.help if quiet else super()._get_help_string(action)
+
+
+def number(kind, low, below=math.inf, above_low=False):  # argparse type: a finite kind from low (or above) to below
+    def parse(text):
+        if not (math.isfinite(value := kind(text)) and (low < value if above_low else low <= value) and value < below):
+            raise argparse.ArgumentTypeError(f"must be {'above' if above_low else 'at least'} {low}"
+                                             f"{f' and below {below}' if below < math.inf else ''}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse's "invalid int value: 'abc'"
+    return parse
+
+
+def parser(description, *more):  # the flags all three scripts share, then those ``more`` adds (the data's)
+    add = (p := _Parser(description=description, formatter_class=_Parser.Formatter)).add_argument
+    add("--epochs", type=number(int, 1), default=2)
+    add("--max-steps", type=number(int, 0), default=0, help="stop after this many optimizer steps (0: no limit)")
+    add("--batch-size", type=number(int, 1), default=64, help="samples per micro-step on each data-parallel replica")
+    add("--grad-accum", type=number(int, 1), default=1, help="micro-steps accumulated per optimizer step")
+    add("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    add("--lr", type=number(float, 0, above_low=True), help="peak learning rate (default: 1e-3 adamw, 0.01 sgd)")
+    add("--momentum", type=number(float, 0, 1), default=0.9, help="SGD momentum")
+    add("--weight-decay", type=number(float, 0), help="(default: 0.01 for adamw, 5e-4 for sgd)")
+    add("--scale-lr", action="store_true", help="linear scaling rule: lr *= global_batch_size / base_batch_size")
+    add("--base-batch-size", type=number(int, 1), default=64, help="the global batch size --lr was tuned for")
+    add("--warmup-steps", type=number(int, 0), default=0, help="ramp the lr linearly over this many optimizer steps")
+    add("--device", choices=("auto", "cuda", "cpu"), default="auto",
+        help="auto: the GPU cuda:LOCAL_RANK when CUDA is available (NCCL), else the CPU (gloo)")
+    add("--precision", choices=("fp32", "bf16", "fp64"), default="fp32",
+        help="bf16: autocast the forward pass to bfloat16; fp64: the whole model in float64 (slow; for the tests)")
+    add("--compile", action="store_true", help="torch.compile each of BabyCNN's blocks in place, before wrapping")
+    add("--width", type=number(int, 1), default=1, help="BabyCNN channel multiplier (parameters grow with its square)")
+    add("--seed", type=int, default=0, help="same initial weights and data order on every rank")
+    add("--log-every", type=number(int, 1), default=20, help="optimizer steps between all-reduced loss readings")
+    add("--no-eval", action="store_true", help="skip the test-set evaluation after each epoch (for measurements)")
+    add("--checkpoint-dir", metavar="DIR", help="save checkpoints here, and resume from the newest one found there")
+    add("--checkpoint-every", type=number(int, 1), default=100, help="optimizer steps between checkpoints")
+    add("--keep-checkpoints", type=number(int, 1), default=2, help="how many of the newest checkpoints to keep")
+    add("--save", metavar="PATH", help="write the final weights as a plain state dict (rank 0)")
+    add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")
+    for add_more in more:
+        add_more(p)
+    return p
+
+
+def lr_schedule(args, global_batch_size):
+    """The peak lr (--scale-lr: by the linear scaling rule), and the lr of step 0, 1, ...: a linear warmup to the peak,
+    then constant. Of the step alone, so a resumed run goes on exactly."""
+    peak = args.lr if args.lr is not None else {"adamw": 1e-3, "sgd": 0.01}[args.optimizer]
+    peak *= global_batch_size / args.base_batch_size if args.scale_lr else 1
+    return peak, lambda step: peak * min(1.0, (step + 1) / (args.warmup_steps + 1))
+
+
+def make_optimizer(args, parameters):  # fused AdamW, foreach SGD (fused has no DTensor rule): not a Python loop
+    decay = {"adamw": 0.01, "sgd": 5e-4}[args.optimizer] if args.weight_decay is None else args.weight_decay
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(parameters, lr=0.0, momentum=args.momentum, weight_decay=decay, foreach=True)
+    return torch.optim.AdamW(parameters, lr=0.0, weight_decay=decay, fused=True)
+
+
+def use_cuda(device_flag, local_rank):  # True for cuda:LOCAL_RANK; a NodeError if the node's ranks lack GPUs
+    if device_flag == "cpu" or (device_flag == "auto" and not torch.cuda.is_available()):
+        return False
+    gpus, processes = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    if processes > gpus:  # device_count() honours CUDA_VISIBLE_DEVICES, nvidia-smi does not
+        shown = f" (CUDA_VISIBLE_DEVICES={v})" if (v := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None else ""
+        need = f"{processes} processes on this node need {processes} GPUs" if processes > 1 else "--device cuda needs one"
+        way = f"start at most {gpus} per node (NPROC_PER_NODE={gpus})" if gpus else "use a machine with GPUs and CUDA"
+        raise NodeError(f"{need}, but torch sees {gpus}{shown}: {way}, or train on the CPU with --device cpu")
+    return True
+
+
+def precision(args, device):  # the weights' dtype, and bf16 autocast (CPU and GPU alike) or nothing for the forward
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" else nullcontext()
+    return torch.float64 if args.precision == "fp64" else torch.float32, autocast
+
+
+def memory(model, optimizer, device):  # bytes of parameters, gradients, optimizer state here (FSDP: a shard); peak
+    tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # peak resident set: Linux says KiB
+    return {"state_bytes": sum(t.numel() * t.element_size() for t in tensors), "peak_memory_bytes": peak}
+
+
+def write_atomically(path, write):  # a temporary file beside path, renamed when complete: never half a file
+    temporary = os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-{os.getpid()}-{os.path.basename(path)}")
+    try:
+        with open(temporary, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def save_state_dict(state_dict, path):  # plain CPU tensors, which torch.load(weights_only=True) reads
+    state_dict = {name: tensor.detach().cpu() for name, tensor in state_dict.items()}
+    write_atomically(path, lambda file: torch.save(state_dict, file))
+
+
+def save_json(value, path):
+    write_atomically(path, lambda file: file.write((json.dumps(value, indent=2) + "\n").encode()))
+
+
+class Progress:
+    """Rank 0's line at each logging step, the loss curve ([step, loss, training seconds]) and the training clock:
+    on a GPU it waits for the kernels, so it is read only at logging steps (evaluation excluded)."""
+
+    def __init__(self, total_steps, global_batch_size, log_every, device, log, start_step=0):
+        self.total_steps, self.global_batch_size, self.log_every = total_steps, global_batch_size, log_every
+        self.start_step = self.step = start_step  # a resumed run counts on from its checkpoint
+        self.train_seconds, self.loss_curve, self.final_train_loss = 0.0, [], float("nan")
+        self.log, self.synchronize = log, torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def start_epoch(self):  # the clock runs from here to each logging step: every epoch ends with one
+        self.synchronize()
+        self.started = time.perf_counter()
+
+    def update(self, end_of_epoch):  # count a step; True when the loss window is to be reduced and logged
+        self.step += 1
+        return self.step % self.log_every == 0 or self.step == self.total_steps or end_of_epoch
+
+    def record_loss(self, loss, label, lr):
+        self.synchronize()
+        self.train_seconds, self.started = self.train_seconds + time.perf_counter() - self.started, time.perf_counter()
+        if not math.isfinite(loss):  # every rank holds the same all-reduced value, so all stop here
+            raise UsageError(f"the training loss is {loss} at step {self.step}: training diverged; lower --lr or add "
+                             "--warmup-steps (no weights were saved)")
+        self.final_train_loss = loss
+        self.loss_curve.append([self.step, loss, self.train_seconds])
+        self.log(f"step {self.step}/{self.total_steps}: {label} {loss:.4f}, lr {lr:.3g}, {self.rate():,.0f} samples/s")
+
+    def rate(self):  # samples per second of training
+        return (self.step - self.start_step) * self.global_batch_size / max(self.train_seconds, 1e-9)
+
+    def summary(self):
+        return {"steps": self.step, "train_seconds": self.train_seconds, "samples_per_second": self.rate(),
+                "final_train_loss": self.final_train_loss, "loss_curve": self.loss_curve}

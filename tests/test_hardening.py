@@ -1,0 +1,103 @@
+"""Defects of the old plumbing, each with a test that failed on it: downloads under a collective's timeout, a
+fresh optimizer stepped once before training, the checkpoint's lr kept on resume, a stuck rank deaf to a second
+signal, autocast around backward, and the pipeline replicas all-reducing once per micro-step."""
+
+import os
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import (
+    ROOT, EQUIVALENCE, alive, assert_same_math, child_env, load_weights, max_difference, mnist_args, python, succeeded,
+    torchrun, worker_pids,
+)
+
+STAND_INS = ROOT / "tests" / "stand_ins"
+
+
+def test_a_download_happens_before_the_process_group_and_once_per_directory(tmp_path):
+    # The stand-in torchvision refuses to download inside a process group and logs each download.
+    env = child_env(PYTHONPATH=f"{STAND_INS}{os.pathsep}{ROOT}")
+    run = succeeded(torchrun("train_ddp.py", 2, "--dataset", "fashion-mnist", "--data-dir", tmp_path, "--max-steps", "4",
+                             "--batch-size", "32", "--log-every", "2", env=env))
+    assert "fashion-mnist; 4 steps" in run.output and "test accuracy" in run.output
+    assert len((tmp_path / "downloads.log").read_text().split()) == 1  # the other rank waited on the lock, then read
+
+
+def test_a_fresh_adamw_starts_at_step_zero(mnist_dir, tmp_path):
+    # get_state_dict() steps an optimizer with no state once (lr 0) to create it: before a fresh run's first step,
+    # that made AdamW's bias correction count one step too many.
+    succeeded(python("train_ddp.py", *mnist_args(mnist_dir), "--max-steps", "10", "--checkpoint-every", "10",
+                     "--checkpoint-dir", tmp_path / "ck", "--no-eval"))
+    state = {"optimizer": {"blocks.0.conv1.weight": {"step": torch.zeros(())}}}
+    dcp.load(state, checkpoint_id=tmp_path / "ck" / "step-10", no_dist=True)
+    assert state["optimizer"]["blocks.0.conv1.weight"]["step"].item() == 10
+
+
+def test_a_resumed_run_uses_the_lr_of_its_own_flags_and_says_so(mnist_dir, tmp_path):
+    common = [*mnist_args(mnist_dir), "--optimizer", "sgd", "--momentum", "0", "--weight-decay", "0", "--batch-size",
+              "32", "--log-every", "5", "--checkpoint-every", "10", "--no-eval"]
+    succeeded(python("train_ddp.py", *common, "--max-steps", "10", "--lr", "0.01", "--checkpoint-dir", tmp_path / "ck"))
+    finals = {}
+    for lr in ("0.01", "0.02"):  # both resume from the same checkpoint, saved at lr 0.01
+        (tmp_path / lr).mkdir()
+        shutil.copytree(tmp_path / "ck", tmp_path / lr / "ck")
+        run = succeeded(python("train_ddp.py", *common, "--max-steps", "20", "--lr", lr, "--checkpoint-dir",
+                               tmp_path / lr / "ck", "--save", tmp_path / lr / "final.pt"))
+        finals[lr] = load_weights(tmp_path / lr / "final.pt")
+        changed = "the peak lr is now 0.02, not the checkpoint's 0.01" in run.output
+        assert changed == (lr == "0.02") and "step 20/20: loss (all ranks)" in run.output, run.output
+        assert f"lr {float(lr):.3g}, " in run.output.split("resumed from")[1]  # the logged lr is the one used
+    assert max_difference(finals["0.01"], finals["0.02"]) > 1e-4  # the old code kept 0.01 for both: the same weights
+
+
+def test_a_second_signal_ends_a_rank_stuck_in_a_collective(mnist_dir):
+    run = torchrun("train_ddp.py", 2, *mnist_args(mnist_dir), "--epochs", "50", "--log-every", "1")
+    run.wait_for_text("step 2/")
+    workers = worker_pids(run.process.pid)
+    os.kill(workers[1], signal.SIGSTOP)  # rank 1 stops: rank 0 waits for it in its next all-reduce
+    try:
+        time.sleep(1)
+        os.kill(workers[0], signal.SIGTERM)
+        time.sleep(3)
+        assert alive(workers[0])  # the first only asks for a stop at a logging step, which rank 0 cannot reach
+        os.kill(workers[0], signal.SIGTERM)
+        started = time.monotonic()
+        while alive(workers[0]) and time.monotonic() - started < 20:
+            time.sleep(0.1)
+        assert time.monotonic() - started < 10, "rank 0 ignored the second SIGTERM"  # not torchrun's 30 s, then KILL
+        time.sleep(0.5)
+        assert "SIGTERM again: rank 0 ends now, with no checkpoint" in run.output, run.output[-2000:]
+    finally:
+        run.kill()
+        run.wait()
+
+
+def test_bf16_autocast_wraps_each_stage_forward_and_the_pipeline_learns(mnist_dir, tmp_path):
+    # One stage and one microbatch: the same computation as DDP's, bf16 rounding and all, if autocast wraps the
+    # same operations (the forward) in both.
+    flags = [*mnist_args(mnist_dir), "--precision", "bf16", "--batch-size", "32", "--max-steps", "20", "--no-eval"]
+    runs = [python("train_ddp.py", *flags, "--save", tmp_path / "ddp.pt"),
+            python("train_pippy.py", *flags, "--microbatches", "1", "--save", tmp_path / "pipeline.pt")]
+    for run in runs:
+        succeeded(run)
+    assert max_difference(load_weights(tmp_path / "ddp.pt"), load_weights(tmp_path / "pipeline.pt")) == 0
+    two_stages = succeeded(torchrun("train_pippy.py", 2, *mnist_args(mnist_dir), "--precision", "bf16", "--epochs", "3",
+                                    "--batch-size", "32", "--microbatches", "4"))
+    accuracy = float(two_stages.output.rsplit("test accuracy ", 1)[1].split("%")[0])
+    assert accuracy > 70  # chance is 10
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "looped-bfs"])
+def test_pipeline_replicas_average_gradients_once_per_optimizer_step(schedule, reference, control, mnist_dir, tmp_path):
+    # Every schedule now trains replicated stages (DDP inside a stage allowed 1f1b only, and all-reduced at every
+    # micro-step); equivalence with one process shows the averaging is right with accumulation.
+    run = torchrun("train_pippy.py", 4, *mnist_args(mnist_dir), *EQUIVALENCE, "--schedule", schedule,
+                   "--data-parallel", "2", "--batch-size", "8", "--grad-accum", "2", "--microbatches", "2",
+                   "--save", tmp_path / "pipeline.pt")
+    succeeded(run)
+    assert_same_math(load_weights(tmp_path / "pipeline.pt"), reference, control)
