@@ -81,7 +81,7 @@ def main():
 
         # ---- wrap: DDP keeps a full replica here and averages gradients across ranks ----
         model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)  # broadcasts rank 0's weights
-        peak_lr, lr_at = core.lr_schedule(args, global_batch_size)
+        peak_lr, lr_at = core.lr_schedule(args, global_batch_size, total_steps)
         optimizer = core.make_optimizer(args, model.parameters())
 
         # ---- resume: every rank loads its part of the newest checkpoint in --checkpoint-dir, if any ----

@@ -134,7 +134,7 @@ def main():
         # are the ones train_ddp.py's model gets for the same --seed.
         model.to_empty(device="cpu" if args.cpu_offload else device)
         model.reset_parameters()
-        peak_lr, lr_at = core.lr_schedule(args, global_batch_size)
+        peak_lr, lr_at = core.lr_schedule(args, global_batch_size, total_steps)
         optimizer = core.make_optimizer(args, model.parameters())
 
         # ---- resume: every rank loads its part of the newest checkpoint in --checkpoint-dir, if any ----

@@ -171,7 +171,7 @@ def main():
         # would shrink the earlier micro-steps' gradients again at each later one.
         schedule = schedule_class(stages[0] if stages_kind == "one" else stages, n_microbatches=args.microbatches,
                                   loss_fn=loss_fn, scale_grads=False)
-        peak_lr, lr_at = core.lr_schedule(args, global_batch_size)
+        peak_lr, lr_at = core.lr_schedule(args, global_batch_size, total_steps)
         optimizer = core.make_optimizer(args, model.parameters())
 
         # ---- resume: every rank loads its part of the newest checkpoint in --checkpoint-dir, if any ----

@@ -51,7 +51,8 @@ def start(name, batch, flags, epochs, scratch):
     metrics = scratch / f"{name}.json"
     command = [sys.executable, str(ROOT / "train_ddp.py"), "--dataset", "synthetic", "--seed", "0", "--optimizer", "sgd",
                "--lr", str(BASE_LR), "--base-batch-size", "64", "--batch-size", str(batch), "--epochs", str(epochs),
-               "--log-every", str(SAMPLES_PER_LOG // batch), "--metrics", str(metrics), *flags]
+               "--log-every", str(SAMPLES_PER_LOG // batch), "--metrics", str(metrics), "--lr-schedule", "constant",
+               "--warmup-steps", "0", *flags]  # the rule as Goyal et al. state it: a constant lr, warmup where said
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("RANK", None)
     print(f"start {name}: {' '.join(command[1:])}", flush=True)

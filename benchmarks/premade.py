@@ -17,11 +17,11 @@ def batches(steps, batch_size, seed):
 
 
 def optimizer(parameters):
-    """The scripts' optimizer (AdamW, fused) from their own function, with their default flags. The scripts set
-    the lr in their loop, step by step; without --warmup-steps it is the peak lr, 1e-3, at every step."""
+    """The scripts' optimizer (AdamW, fused) from their own function, with their default flags, at the peak lr
+    (the scripts set the lr in their loop, step by step: a step at another lr costs the same)."""
     args = core.parser("benchmark").parse_args([])
     optimizer = core.make_optimizer(args, parameters)
-    peak_lr, _ = core.lr_schedule(args, args.base_batch_size)
+    peak_lr, _ = core.lr_schedule(args, args.base_batch_size, total_steps=1)
     for group in optimizer.param_groups:
         group["lr"] = peak_lr
     return optimizer

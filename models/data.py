@@ -5,18 +5,22 @@ A batch is gathered by index (``split.batch(indices)``) and normalised there: no
 no per-sample Python or PIL on the hot path. Which indices a rank uses is decided by the training script with
 ``torch.utils.data.DistributedSampler``, so the sharding stays visible there.
 
-Datasets: ``mnist``, ``fashion-mnist`` and ``cifar10`` through torchvision, and ``synthetic``: an offline,
-deterministic, learnable 10-class set of digit glyphs drawn from a small built-in bitmap font. ``auto`` takes
-MNIST when it is on disk or can be downloaded, else the synthetic set. ``find`` looks for the files (downloading
-them where allowed) before the process group exists; ``load`` makes every rank agree on them and reads them.
+Datasets: ``auto`` (the default) is the original MNIST files that ship in models/mnist/, read with no network;
+``mnist``, ``fashion-mnist`` and ``cifar10`` are a copy in --data-dir (the IDX files as they are distributed,
+gzip-compressed or not, or torchvision's layout), downloaded by torchvision when missing; ``synthetic`` is a fast,
+offline, deterministic 10-class set of digit glyphs drawn from a small built-in bitmap font, for tests. ``find``
+looks for the files (downloading them where allowed) before the process group exists; ``load`` makes every rank
+agree on them and reads them.
 """
 
 import fcntl
+import gzip
 import math
 import os
 import socket
 import struct
 import textwrap
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 NUM_CLASSES = 10  # every one of them: ten digits, ten garments, ten CIFAR classes
+BUNDLED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mnist")  # --dataset auto
 DOWNLOAD_TIMEOUT_SECONDS = 5
 
 
@@ -65,7 +70,7 @@ class Dataset:
 def add_arguments(parser):
     add = parser.add_argument
     add("--dataset", choices=("auto", "synthetic", *_TORCHVISION), default="auto",
-        help="auto: MNIST if on disk or downloadable, else synthetic")
+        help="auto: the MNIST files in models/mnist/, no network; mnist: a copy in --data-dir; synthetic: for tests")
     add("--data-dir", default="./data", help="where torchvision datasets are read from and downloaded to")
     add("--no-download", action="store_true", help="never use the network; use only files already in --data-dir")
 
@@ -75,13 +80,15 @@ def find(name, data_dir, download=True):
     first, when missing and allowed), or what is wrong with them. Call it before the process group exists: a
     download may outlast any collective's timeout. The processes sharing a ``data_dir`` take turns (a file lock),
     so one downloads and the others then find the files."""
-    found = {"name": name, "data_dir": os.path.abspath(data_dir), "missing": None, "broken": None,
+    found = {"name": name, "data_dir": os.path.abspath(BUNDLED if name == "auto" else data_dir), "missing": None,
+             "broken": None,
              "node": f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"}
     if name == "synthetic":
         return found
     wanted = "mnist" if name == "auto" else name
+    data_dir = BUNDLED if name == "auto" else data_dir
     found["missing"] = None if _on_disk(wanted, data_dir) else "--no-download forbids fetching it"
-    if found["missing"] and download:
+    if found["missing"] and download and name != "auto":
         try:
             os.makedirs(data_dir, exist_ok=True)
             with open(os.path.join(data_dir, ".download-lock"), "w") as lock:
@@ -138,7 +145,7 @@ def _agree(name, answers, log):
     nodes = list({answer["node"]: answer for answer in answers}.values())  # one answer per node and directory
     several = len({answer["node"] for answer in answers}) > 1
     broken = [node for node in nodes if node["broken"]]
-    if broken:  # files that are there but wrong are an error, also for auto: never a silent fallback
+    if broken:  # files that are there but wrong are an error: never silently replaced
         raise DataError(broken[0]["broken"] + (f" (on {broken[0]['node']})" if several else ""))
     wanted = "mnist" if name == "auto" else name
     lacking = [node for node in nodes if node["missing"]]
@@ -147,10 +154,9 @@ def _agree(name, answers, log):
     first = lacking[0]
     where = f"{first['data_dir']} on {first['node']}" if several else first["data_dir"]
     others = f" (and on {len(lacking) - 1} more node(s))" if len(lacking) > 1 else ""
-    if name == "auto":
-        log(f"dataset: MNIST is not in {where}{others} and {first['missing']}; "
-            f"using the built-in synthetic digits{' on every node' if several else ''} instead")
-        return "synthetic"
+    if name == "auto":  # the repository's own copy is gone
+        raise DataError(f"the MNIST files that ship with this project are not in {where}{others}: restore them "
+                        "(git checkout models/mnist), or pick --dataset mnist --data-dir DIR with your own copy")
     files = os.path.join(first["data_dir"], _FILES[wanted])
     shared = " on every node (or on storage all nodes share)" if several else ""
     raise DataError(f"{wanted} is not in {where}{others} and {first['missing']}: put the files in {files}{shared}, "
@@ -166,8 +172,15 @@ def _on_disk(name, data_dir):
             return True
         except RuntimeError:
             return False
+    return all(os.path.isfile(path) or os.path.isfile(path + ".gz") for path in _idx_paths(name, data_dir))
+
+
+def _idx_paths(name, data_dir):
+    """The four IDX files of ``name`` (``mnist`` or ``fashion-mnist``), each also read as FILE.gz: torchvision's
+    layout DIR/MNIST/raw/, or the files alone in DIR (as they are distributed, and as models/mnist/ holds them)."""
     raw = os.path.join(data_dir, _TORCHVISION[name], "raw")
-    return all(os.path.isfile(os.path.join(raw, file)) for file in _IDX)
+    folder = raw if os.path.isdir(raw) else data_dir
+    return [os.path.join(folder, file) for file in _IDX]
 
 
 def _download(name, data_dir):
@@ -198,10 +211,7 @@ def _read(name, data_dir, train):
         return images.contiguous(), torch.as_tensor(dataset.targets, dtype=torch.int64)
     # MNIST and Fashion-MNIST: read the IDX files directly (a header, then raw bytes), checking what
     # torchvision's reader does not: counts that match, labels in range, files of the right length.
-    raw = os.path.join(data_dir, _TORCHVISION[name], "raw")
-    prefix = "train" if train else "t10k"
-    images_path = os.path.join(raw, f"{prefix}-images-idx3-ubyte")
-    labels_path = os.path.join(raw, f"{prefix}-labels-idx1-ubyte")
+    images_path, labels_path = _idx_paths(name, data_dir)[0 if train else 2: 2 if train else 4]
     images, labels = _read_idx(images_path, 3), _read_idx(labels_path, 1).long()
     if len(images) == 0:
         raise DataError(f"{images_path} holds no images")
@@ -221,9 +231,14 @@ def _read(name, data_dir, train):
 def _read_idx(path, dimensions):
     """An IDX file of uint8 data: bytes 0, 0, 0x08, the number of dimensions, each dimension as a
     big-endian 32-bit integer, then the data."""
+    path = path if os.path.isfile(path) or not os.path.isfile(path + ".gz") else path + ".gz"
     try:
         with open(path, "rb") as file:
             data = file.read()
+        if data[:2] == b"\x1f\x8b":  # gzip's magic number: the files as they are distributed
+            data = gzip.decompress(data)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as error:  # before OSError: BadGzipFile is one
+        raise DataError(f"{path} is a damaged gzip archive ({error}): download it again") from None
     except OSError as error:
         raise DataError(f"{path} cannot be read ({error.strerror or error})") from None
     header = 4 + 4 * dimensions

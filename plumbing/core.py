@@ -55,12 +55,13 @@ def parser(description, *more):  # the flags all three scripts share, then those
     add("--batch-size", type=number(int, 1), default=64, help="samples per micro-step on each data-parallel replica")
     add("--grad-accum", type=number(int, 1), default=1, help="micro-steps accumulated per optimizer step")
     add("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    add("--lr", type=number(float, 0, above_low=True), help="peak learning rate (default: 1e-3 adamw, 0.01 sgd)")
+    add("--lr", type=number(float, 0, above_low=True), help="peak learning rate (default: 3e-3 adamw, 0.01 sgd)")
+    add("--lr-schedule", choices=("cosine", "constant"), default="cosine", help="after the warmup: decay to 0, or hold")
     add("--momentum", type=number(float, 0, 1), default=0.9, help="SGD momentum")
     add("--weight-decay", type=number(float, 0), help="(default: 0.01 for adamw, 5e-4 for sgd)")
     add("--scale-lr", action="store_true", help="linear scaling rule: lr *= global_batch_size / base_batch_size")
     add("--base-batch-size", type=number(int, 1), default=64, help="the global batch size --lr was tuned for")
-    add("--warmup-steps", type=number(int, 0), default=0, help="ramp the lr linearly over this many optimizer steps")
+    add("--warmup-steps", type=number(int, 0), default=100, help="ramp the lr linearly over this many optimizer steps")
     add("--device", choices=("auto", "cuda", "cpu"), default="auto",
         help="auto: the GPU cuda:LOCAL_RANK when CUDA is available (NCCL), else the CPU (gloo)")
     add("--precision", choices=("fp32", "bf16", "fp64"), default="fp32",
@@ -80,12 +81,14 @@ def parser(description, *more):  # the flags all three scripts share, then those
     return p
 
 
-def lr_schedule(args, global_batch_size):
+def lr_schedule(args, global_batch_size, total_steps):
     """The peak lr (--scale-lr: by the linear scaling rule), and the lr of step 0, 1, ...: a linear warmup to the peak,
-    then constant. Of the step alone, so a resumed run goes on exactly."""
-    peak = args.lr if args.lr is not None else {"adamw": 1e-3, "sgd": 0.01}[args.optimizer]
+    then constant or a cosine decay to 0 at total_steps. Of the step alone, so a resumed run goes on exactly."""
+    peak = args.lr if args.lr is not None else {"adamw": 3e-3, "sgd": 0.01}[args.optimizer]
     peak *= global_batch_size / args.base_batch_size if args.scale_lr else 1
-    return peak, lambda step: peak * min(1.0, (step + 1) / (args.warmup_steps + 1))
+    cosine = args.lr_schedule == "cosine"
+    decay = (lambda s: 0.5 + 0.5 * math.cos(math.pi * s / total_steps)) if cosine else (lambda s: 1.0)
+    return peak, lambda step: peak * min(1.0, (step + 1) / (args.warmup_steps + 1)) * decay(step)
 
 
 def make_optimizer(args, parameters):  # fused AdamW, foreach SGD (fused has no DTensor rule): not a Python loop
@@ -101,7 +104,7 @@ def use_cuda(device_flag, local_rank):  # True for cuda:LOCAL_RANK; a NodeError 
     gpus, processes = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
     if processes > gpus:  # device_count() honours CUDA_VISIBLE_DEVICES, nvidia-smi does not
         shown = f" (CUDA_VISIBLE_DEVICES={v})" if (v := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None else ""
-        need = f"{processes} processes on this node need {processes} GPUs" if processes > 1 else "--device cuda needs one"
+        need = f"{processes} processes on this node need {processes} GPUs" if processes > 1 else "--device cuda: a GPU"
         way = f"start at most {gpus} per node (NPROC_PER_NODE={gpus})" if gpus else "use a machine with GPUs and CUDA"
         raise NodeError(f"{need}, but torch sees {gpus}{shown}: {way}, or train on the CPU with --device cpu")
     return True
@@ -115,10 +118,9 @@ def precision(args, device):  # the weights' dtype, and bf16 autocast (CPU and G
 def memory(model, optimizer, device):  # bytes of parameters, gradients, optimizer state here (FSDP: a shard); peak
     tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # peak resident set: Linux says KiB
-    return {"state_bytes": sum(t.numel() * t.element_size() for t in tensors), "peak_memory_bytes": peak}
+    return {"state_bytes": sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors),
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # peak resident set: Linux says KiB
 
 
 def write_atomically(path, write):  # a temporary file beside path, renamed when complete: never half a file

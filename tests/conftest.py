@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from models import BabyCNN  # noqa: E402
-from models.data import synthetic_digits  # noqa: E402
+from models import data  # noqa: E402
 
 TIMEOUT = 240  # seconds for one launch; a healthy one takes 5 to 40 here
 
@@ -129,14 +129,15 @@ def _write_idx(path, tensor):
 
 @pytest.fixture(scope="session")
 def mnist_dir(tmp_path_factory):
-    """A data dir holding MNIST/raw/ with 640 training and 300 test images, read by torchvision."""
+    """A data dir holding MNIST/raw/ with the first 640 training and 300 test images of the real MNIST (the files
+    that ship in models/mnist/): real digits, small enough for runs of seconds."""
     root = tmp_path_factory.mktemp("data")
     raw = root / "MNIST" / "raw"
     raw.mkdir(parents=True)
-    for prefix, count, seed in (("train", 640, 10), ("t10k", 300, 11)):
-        images, labels = synthetic_digits(count, seed=seed)
-        _write_idx(raw / f"{prefix}-images-idx3-ubyte", images[:, 0])
-        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
+    (train_x, train_y), (test_x, test_y) = data.find("auto", root, download=False)["splits"]
+    for prefix, images, labels, count in (("train", train_x, train_y, 640), ("t10k", test_x, test_y, 300)):
+        _write_idx(raw / f"{prefix}-images-idx3-ubyte", images[:count, 0])
+        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels[:count])
     return root
 
 

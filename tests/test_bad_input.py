@@ -53,9 +53,6 @@ CASES = {
     "random-bytes": ("train_ddp.py", 1, [*mnist_args("{bad}/random-bytes")],
                      "train-images-idx3-ubyte is not an IDX file of 3-D uint8 data"),
     "truncated-images": ("train_ddp.py", 1, [*mnist_args("{bad}/truncated-images")], "train-images-idx3-ubyte is truncated"),
-    # broken files are an error for auto too, never a silent fallback to the synthetic set
-    "truncated-images-auto": ("train_ddp.py", 1, ["--dataset", "auto", "--data-dir", "{bad}/truncated-images", "--no-download"],
-                              "train-images-idx3-ubyte is truncated"),
     # training
     "diverged": ("train_ddp.py", 1, [*mnist_args("{mnist}"), "--lr", "1e30", "--max-steps", "5", "--log-every", "1",
                                      "--no-eval", "--save", "{tmp}/diverged.pt"], "training diverged; lower --lr"),

@@ -74,36 +74,29 @@ def test_two_nodes_with_their_own_data_train_like_one_node_with_two_processes(tw
     assert max_difference(load_weights(path), two_ranks) == 0  # the very same computation
 
 
-@pytest.mark.parametrize("dataset", ["mnist", "auto"])
-def test_a_node_without_the_files_stops_every_node_or_none(dataset, mnist_dir, tmp_path):
+def test_a_node_without_the_files_stops_every_node(mnist_dir, tmp_path):
     metrics_path = tmp_path / "metrics.json"
-    nodes = two_nodes(tmp_path, mnist_dir, (True, False), "--dataset", dataset, "--max-steps", "40",
+    nodes = two_nodes(tmp_path, mnist_dir, (True, False), "--dataset", "mnist", "--max-steps", "40",
                       "--metrics", metrics_path, MAX_RESTARTS=0)
     for node in nodes:
         node.wait()
     output = nodes[0].output + nodes[1].output
     lacking = f"is not in {tmp_path / 'node1' / 'data'} on node "
-    if dataset == "mnist":  # one line, from rank 0, whichever node it is on, naming the node without the files
-        errors = [line for line in output.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and lacking in errors[0] and "on every node" in errors[0], output
-        assert all(node.returncode != 0 for node in nodes)
-    else:  # auto: both nodes fall back together, never MNIST on one and the synthetic set on the other
-        assert [node.returncode for node in nodes] == [0, 0], output
-        assert output.count("using the built-in synthetic digits on every node instead") == 1, output
-        assert lacking in output
-        metrics = json.loads(metrics_path.read_text())
-        assert metrics["dataset"] == "synthetic" and metrics["test_accuracy"] > 0.5  # and it learns that set
+    # One line, from rank 0, whichever node it is on, naming the node without the files.
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and lacking in errors[0] and "on every node" in errors[0], output
+    assert all(node.returncode != 0 for node in nodes)
 
 
 def test_short_run_learns_with_all_reduced_loss_and_metrics(mnist_dir, tmp_path):
     metrics_path = tmp_path / "metrics.json"
     run = torchrun(
-        "train_ddp.py", 2, "--dataset", "auto", "--data-dir", mnist_dir, "--no-download", "--epochs", "10",
+        "train_ddp.py", 2, "--dataset", "mnist", "--data-dir", mnist_dir, "--no-download", "--epochs", "10",
         "--batch-size", "32", "--lr", "1e-3", "--scale-lr", "--base-batch-size", "32", "--metrics", metrics_path,
     )
     succeeded(run)
     metrics = json.loads(metrics_path.read_text())
-    assert metrics["dataset"] == "mnist"  # auto found the files on disk
+    assert metrics["dataset"] == "mnist"
     assert metrics["world_size"] == 2 and metrics["global_batch_size"] == 64
     assert metrics["peak_lr"] == pytest.approx(2e-3)  # linear scaling rule: 1e-3 * 64 / 32
     assert metrics["steps"] == 10 * (640 // 2 // 32)

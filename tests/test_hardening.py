@@ -40,7 +40,8 @@ def test_a_fresh_adamw_starts_at_step_zero(mnist_dir, tmp_path):
 
 def test_a_resumed_run_uses_the_lr_of_its_own_flags_and_says_so(mnist_dir, tmp_path):
     common = [*mnist_args(mnist_dir), "--optimizer", "sgd", "--momentum", "0", "--weight-decay", "0", "--batch-size",
-              "32", "--log-every", "5", "--checkpoint-every", "10", "--no-eval"]
+              "32", "--log-every", "5", "--checkpoint-every", "10", "--no-eval", "--lr-schedule", "constant",
+              "--warmup-steps", "0"]
     succeeded(python("train_ddp.py", *common, "--max-steps", "10", "--lr", "0.01", "--checkpoint-dir", tmp_path / "ck"))
     finals = {}
     for lr in ("0.01", "0.02"):  # both resume from the same checkpoint, saved at lr 0.01
