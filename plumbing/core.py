@@ -50,11 +50,11 @@ def number(kind, low, below=math.inf, above_low=False):  # argparse type: a fini
 
 def parser(description, *more):  # the flags all three scripts share, then those ``more`` adds (the data's)
     add = (p := _Parser(description=description, formatter_class=_Parser.Formatter)).add_argument
-    add("--epochs", type=number(int, 1), default=2)
+    add("--epochs", type=number(int, 1), default=2, help="passes over the training set")
     add("--max-steps", type=number(int, 0), default=0, help="stop after this many optimizer steps (0: no limit)")
     add("--batch-size", type=number(int, 1), default=64, help="samples per micro-step on each data-parallel replica")
     add("--grad-accum", type=number(int, 1), default=1, help="micro-steps accumulated per optimizer step")
-    add("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    add("--optimizer", choices=("adamw", "sgd"), default="adamw", help="fused AdamW, or SGD with momentum")
     add("--lr", type=number(float, 0, above_low=True), help="peak learning rate (default: 3e-3 adamw, 0.01 sgd)")
     add("--lr-schedule", choices=("cosine", "constant"), default="cosine", help="after the warmup: decay to 0, or hold")
     add("--momentum", type=number(float, 0, 1), default=0.9, help="SGD momentum")
