@@ -80,13 +80,12 @@ def find(name, data_dir, download=True):
     first, when missing and allowed), or what is wrong with them. Call it before the process group exists: a
     download may outlast any collective's timeout. The processes sharing a ``data_dir`` take turns (a file lock),
     so one downloads and the others then find the files."""
-    found = {"name": name, "data_dir": os.path.abspath(BUNDLED if name == "auto" else data_dir), "missing": None,
-             "broken": None,
+    data_dir = BUNDLED if name == "auto" else data_dir  # auto: the copy that ships with the project
+    found = {"name": name, "data_dir": os.path.abspath(data_dir), "missing": None, "broken": None,
              "node": f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"}
     if name == "synthetic":
         return found
     wanted = "mnist" if name == "auto" else name
-    data_dir = BUNDLED if name == "auto" else data_dir
     found["missing"] = None if _on_disk(wanted, data_dir) else "--no-download forbids fetching it"
     if found["missing"] and download and name != "auto":
         try:
