@@ -121,9 +121,9 @@ class Checkpointer:
             except UsageError as refusal:  # raised on every rank, after the broadcast
                 verdict[0] = refusal
         dist.broadcast_object_list(verdict, src=0)
-        if isinstance(verdict[0], UsageError) or verdict[0] is None:
-            if verdict[0]:
-                raise verdict[0]
+        if isinstance(verdict[0], UsageError):
+            raise verdict[0]
+        if verdict[0] is None:
             return {"step": 0, "epoch": 0, "samples_into_epoch": 0}
         path, info = verdict[0]
         model_state, optimizer_state = get_state_dict(model, optimizer)  # not before: it steps a fresh optimizer
