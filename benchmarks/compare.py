@@ -3,18 +3,20 @@
     python benchmarks/compare.py                      # about 11 minutes on a 2-core CPU machine
     python benchmarks/compare.py --quick              # the smallest size (the smoke test's)
     python benchmarks/compare.py --steps 2000 --width 32 --max-ranks 8   # on a GPU node
+    python benchmarks/compare.py --only gpu                               # figure 6 alone, on a GPU node
 
 Every configuration runs the real script under torchrun (or plain python for the one-process
 baseline) with one thread per process, on the synthetic set, with the same seed. Figures 1 to 5
 are measured on the CPU (--device cpu), whatever the machine has; where torch sees GPUs, figure 6
 measures the bare loop and the scripts on them. Prints a Markdown table and writes results.json,
-results.md and results.png to --out.
+results.md and results.png to --out (with --only gpu: gpu.json and gpu.md, beside a whole run's).
 """
 
 import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -43,15 +45,70 @@ def launch(command, timeout, copies=1):
                 other.kill()
             sys.exit(f"benchmark: {' '.join(command)} took more than {timeout} s")
         if process.returncode != 0:
-            sys.exit(f"benchmark: {' '.join(command)} failed:\n{stderr[-2000:]}")
+            for other in processes:  # the other copies would run on after this process exits
+                other.kill()
+            sys.exit(f"benchmark: {' '.join(command)} failed:\n{failure(stderr)}")
         outputs.append(stdout)
     return outputs
 
 
+# torchrun's own ending when a worker fails: its traceback (frames in torch/distributed/run.py), then a
+# ChildFailedError block of `====` lines. It is over 2,000 characters, and names no cause.
+CHILD_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+TORCHRUN_LOG = re.compile(r"[IWE]\d{4} [\d:.]+ +\d+ \S*torch/distributed/")  # its log lines (logging's glog format)
+RANK_PREFIX = re.compile(r"\[rank(\d+)\]: ?")  # torch's on a worker's uncaught exception, once its process group exists
+TRACEBACK = "Traceback (most recent call last):"
+CHAINED = ("The above exception was the direct cause of the following exception:",
+           "During handling of the above exception, another exception occurred:")
+
+
+def failure(stderr):
+    """What a failed configuration's stderr says about why: its workers' `error:` lines and the traceback of the
+    rank torchrun names as the first failure (without `error:` lines, else the last traceback), then that rank's
+    exit code; without torchrun's own traceback, ChildFailedError block and log lines."""
+    lines = stderr.splitlines()
+    root_rank = root_cause = None
+    ends = [i for i, line in enumerate(lines) if line.startswith(CHILD_FAILED)]
+    if ends:
+        start = max((i for i in range(ends[-1]) if lines[i] == TRACEBACK), default=ends[-1])
+        summary, lines = lines[start:], lines[:start]
+        first = summary[next((i for i, line in enumerate(summary) if line.startswith("Root Cause")), 0):]
+        root_rank = next((m.group(1) for line in first if (m := re.match(r"\s*rank\s*: (\d+)", line))), None)
+        exit_code = next((line.split(":", 1)[1] for line in first if re.match(r"\s*exitcode\s*:", line)), "")
+        if root_rank is not None:  # "exitcode  : -9 (pid: 123)  (SIGKILL)": the code, and the signal if any
+            signal_name = "".join(f" ({name})" for name in re.findall(r"\((SIG\w+)\)", exit_code)[:1])
+            code = "".join(exit_code.split()[:1])
+            root_cause = f"torchrun: rank {root_rank} failed first, exit code {code}{signal_name}"
+    lines = [line for line in lines if not TORCHRUN_LOG.match(line)]
+    errors = [line for line in lines if RANK_PREFIX.sub("", line, count=1).startswith("error:")]
+    # The workers' tracebacks, each rank's apart (torch prefixes its lines, and ranks interleave), plain ones together.
+    streams = {}
+    for index, line in enumerate(lines):
+        match = RANK_PREFIX.match(line)
+        source, text = (match.group(1), line[match.end():]) if match else (None, line)
+        streams.setdefault(source, []).append((index, line, text))
+    tracebacks = {}  # source: (position of its first line, its lines), the last traceback of each
+    for source, stream in streams.items():
+        starts = [i for i, (_, _, text) in enumerate(stream) if text == TRACEBACK]
+        if starts:
+            start = starts[-1]
+            while start > 0 and any(text in CHAINED for _, _, text in stream[max(0, start - 2):start]):
+                start = max((i for i in starts if i < start), default=0)  # a chained exception: from its first
+            tracebacks[source] = (stream[start][0], [line for _, line, _ in stream[start:]])
+    if root_rank in tracebacks:
+        traceback = tracebacks[root_rank][1]
+    else:  # the project's `error:` lines say why on their own; a traceback of another rank would follow from it
+        traceback = [] if errors else max(tracebacks.values(), default=(None, []))[1]
+    # Neither (a worker killed by a signal, a crash in C++): whatever else the workers wrote, at most 20 lines.
+    said = errors + traceback or [line for line in lines if line.strip()][-20:]
+    kept = said + ([root_cause] if root_cause else [])
+    return "\n".join(kept) if kept else stderr[-2000:]
+
+
 class Bench:
-    def __init__(self, args):
-        self.args, self.scratch = args, Path(tempfile.mkdtemp(prefix="bench-"))
-        self.done, self.total, self.cache = 0, 0, {}
+    def __init__(self, args, scratch, total):
+        self.args, self.scratch = args, scratch
+        self.done, self.total, self.cache = 0, total, {}
 
     def progress(self, what):
         self.done += 1
@@ -87,6 +144,8 @@ class Bench:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smallest size: fewer steps, narrower model, fewer configurations")
+    parser.add_argument("--only", choices=("gpu",), default=None,
+                        help="gpu: figure 6 alone (it needs a GPU), in gpu.json and gpu.md beside a whole run's results.*")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per training run (default 200, quick 20)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--width", type=int, default=None, help="BabyCNN width for the memory figure (default 8, quick 1)")
@@ -98,6 +157,12 @@ def main():
     parser.add_argument("--timeout", type=int, default=900, help="seconds one configuration may take")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
+    gpus = torch.cuda.device_count()
+    if args.only == "gpu" and not gpus:
+        print("error: --only gpu measures figure 6 on GPUs, and torch sees none here (torch.cuda.device_count() is 0)",
+              file=sys.stderr)
+        sys.exit(2)
+    cpu = args.only != "gpu"
     steps = args.steps or (20 if args.quick else 200)
     repeats = args.repeats or (1 if args.quick else 3)
     width = args.width or (1 if args.quick else 8)
@@ -105,13 +170,43 @@ def main():
     ranks_for_memory = [n for n in (1, 2, 4, 8) if n <= (args.max_ranks or (2 if args.quick else 4))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    bench = Bench(args)
     # Configurations to run (identical ones run once: at width 1 the memory runs are the scaling runs).
-    bench.total = 6 * repeats + 2 + (1 + len(ranks_for_memory) if width > 1 else sum(n > 2 for n in ranks_for_memory)) + 3 * len(microbatches)
-    gpus = torch.cuda.device_count()
-    bench.total += 10 if gpus else 0
+    total = 6 * repeats + 2 + (1 + len(ranks_for_memory) if width > 1 else sum(n > 2 for n in ranks_for_memory)) + 3 * len(microbatches)
+    total = (total if cpu else 0) + (10 if gpus else 0)
+    # The runs' metrics files go with the directory at the end, also when a configuration fails (sys.exit).
+    with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
+        bench = Bench(args, Path(scratch), total)
+        results = {"machine": machine()}
+        if cpu:
+            results.update(cpu_figures(bench, args, steps, repeats, width, microbatches, ranks_for_memory))
+        # 6. GPUs, where there are any.
+        if gpus:
+            results["gpu"] = gpu_figures(bench, args.gpu_steps or (50 if args.quick else 1000), min(2, gpus))
+
+    ratios = [row["samples_per_second"] for row in results.get("gpu", {}).get("rows", [])]
+    if cpu:
+        ratios[:0] = [results["overhead"]["ratio"], results["data_path"]["ratio"],
+                      *(results["scaling"][k]["ratio"] for k in ("ddp", "fsdp", "ceiling")), *results["scaling"]["ddp_step"].values(),
+                      *(row["ratio_to_ddp_over_n"] for row in results["memory"]["fsdp"].values()),
+                      *(row["ratio"] for row in results["pipeline"]["rows"])]
+    if not all(math.isfinite(v) and v > 0 for v in ratios):  # before anything is written
+        sys.exit(f"benchmark: a figure is not a positive finite number: {ratios}")
+    name = "results" if cpu else "gpu"  # figure 6 alone leaves a whole run's results.* as they are
+    written = [out / f"{name}.json", out / f"{name}.md"]
+    written[0].write_text(json.dumps(results, indent=2) + "\n")
+    table = markdown(results)
+    written[1].write_text(table)
+    if cpu:  # the plot draws figures 1, 3 and 4
+        written.append(out / "results.png")
+        plot(results, written[-1])
+    print(table)
+    print(f"wrote {', '.join(map(str, written))}")
+
+
+def cpu_figures(bench, args, steps, repeats, width, microbatches, ranks_for_memory):
+    """1 to 5, on the CPU: overhead, data path, scaling, memory, pipeline; with the loss curves the plot draws."""
     batch = ["--batch-size", args.batch_size, "--max-steps", steps, "--epochs", 1000]
-    results = {"machine": machine(), "steps": steps, "batch_size": args.batch_size}
+    results = {"steps": steps, "batch_size": args.batch_size}
 
     # 1 and 3. Throughput, in rounds: each round runs every configuration once, back to back, and its
     # ratios compare runs of the same round. On a shared machine a neighbour's load moves one run by
@@ -172,21 +267,7 @@ def main():
             })
     results["loss_curves"] = {**curves, "pipeline 1f1b (2 stages)": results["pipeline"]["rows"][-1]["loss_curve"]}
 
-    # 6. GPUs, where there are any.
-    if gpus:
-        results["gpu"] = gpu_figures(bench, args.gpu_steps or (50 if args.quick else 1000), min(2, gpus))
-
-    ratios = [results["overhead"]["ratio"], results["data_path"]["ratio"], *(results["scaling"][k]["ratio"] for k in ("ddp", "fsdp", "ceiling")),
-              *results["scaling"]["ddp_step"].values(),
-              *(row["ratio_to_ddp_over_n"] for row in results["memory"]["fsdp"].values()), *(row["ratio"] for row in results["pipeline"]["rows"])]
-    if not all(math.isfinite(v) and v > 0 for v in ratios):  # before anything is written
-        sys.exit(f"benchmark: a figure is not a positive finite number: {ratios}")
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    table = markdown(results)
-    (out / "results.md").write_text(table)
-    plot(results, out / "results.png")
-    print(table)
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'results.png'}")
+    return results
 
 
 def gpu_figures(bench, steps, ranks):
@@ -237,6 +318,24 @@ def machine():
 
 
 def markdown(r):
+    m = r["machine"]
+    lines = cpu_table(r) if "overhead" in r else [f"Machine: {m['cpu']}, {m['cores']} cores, {m['gpus']} GPUs, torch {m['torch']}."]
+    if "gpu" in r:
+        g = r["gpu"]
+        lines += ["", f"Measured on a GPU: {g['gpus']} × {g['name']}; {g['steps']} steps per run, synthetic data, "
+                  "steady state from the first logging point past a tenth of the run.", "",
+                  "| 6. run | GPUs | batch per rank | samples/s, whole run | samples/s, steady state | vs bare loop | peak memory per rank |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for row in g["rows"]:
+            vs = f"{row['vs_bare_loop']:.2f}" if row["vs_bare_loop"] else ""
+            memory = f"{row['peak_memory_bytes'] / 2**20:,.0f} MiB" if row["peak_memory_bytes"] else ""
+            steady = f"{row['steady_samples_per_second']:,.0f}" if row["steady_samples_per_second"] else ""
+            lines.append(f"| {row['run']} | {row['ranks']} | {row['batch_size']} | {row['samples_per_second']:,.0f} | {steady} | {vs} | {memory} |")
+    return "\n".join(lines) + "\n"
+
+
+def cpu_table(r):
+    """Figures 1 to 5: the machine's line, then a row per figure."""
     o, d, s, mem = r["overhead"], r["data_path"], r["scaling"], r["memory"]
     t = s["ddp_step"]
 
@@ -266,18 +365,7 @@ def markdown(r):
         lines.append(f"| 5. pipeline: {row['schedule']}, p = {r['pipeline']['stages']}, m = {row['microbatches']} | "
                      f"{row['measured_step_seconds'] * 1000:.1f} ms/step | ideal (m+p−1)·t_stage {row['ideal_step_seconds'] * 1000:.1f} ms "
                      f"(bubble {row['bubble_fraction']:.0%}) | {row['ratio']:.2f} | |")
-    if "gpu" in r:
-        g = r["gpu"]
-        lines += ["", f"Measured on a GPU: {g['gpus']} × {g['name']}; {g['steps']} steps per run, synthetic data, "
-                  "steady state from the first logging point past a tenth of the run.", "",
-                  "| 6. run | GPUs | batch per rank | samples/s, whole run | samples/s, steady state | vs bare loop | peak memory per rank |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
-        for row in g["rows"]:
-            vs = f"{row['vs_bare_loop']:.2f}" if row["vs_bare_loop"] else ""
-            memory = f"{row['peak_memory_bytes'] / 2**20:,.0f} MiB" if row["peak_memory_bytes"] else ""
-            steady = f"{row['steady_samples_per_second']:,.0f}" if row["steady_samples_per_second"] else ""
-            lines.append(f"| {row['run']} | {row['ranks']} | {row['batch_size']} | {row['samples_per_second']:,.0f} | {steady} | {vs} | {memory} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot(r, path):

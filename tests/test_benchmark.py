@@ -1,15 +1,27 @@
-"""The benchmark at its smallest size: every figure present and sane, the plot written."""
+"""The benchmark at its smallest size: every figure present and sane, the plot written; what it says when a
+configuration fails, and what it leaves behind."""
 
 import json
 import math
+import os
+import re
 import sys
 
-from conftest import ROOT, Run
+import pytest
+import torch
+
+from benchmarks import compare
+from conftest import ROOT, Run, child_env
+
+COMPARE = ROOT / "benchmarks" / "compare.py"
 
 
 def test_quick_benchmark_reports_every_figure(tmp_path):
-    run = Run([sys.executable, ROOT / "benchmarks" / "compare.py", "--quick", "--out", tmp_path]).wait(timeout=600)
+    scratch = tmp_path / "tmp"  # the benchmark's temporary directory, alone in its own
+    scratch.mkdir()
+    run = Run([sys.executable, COMPARE, "--quick", "--out", tmp_path], env=child_env(TMPDIR=scratch)).wait(timeout=600)
     assert run.returncode == 0, run.output[-3000:]
+    assert list(scratch.glob("bench-*")) == []  # the runs' metrics files went with it
     results = json.loads((tmp_path / "results.json").read_text())
     figures = [
         results["overhead"]["ddp_1"], results["overhead"]["bare_loop"], results["overhead"]["ratio"],
@@ -29,3 +41,91 @@ def test_quick_benchmark_reports_every_figure(tmp_path):
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "results.png").stat().st_size > 10_000
     assert run.output.count("| 5. pipeline") == 2 and "[1/" in run.output  # the table, and a progress line per run
+
+
+def test_figure_6_alone_without_a_gpu_is_one_line(tmp_path):
+    run = Run([sys.executable, COMPARE, "--only", "gpu", "--out", tmp_path]).wait()  # child_env hides any GPU
+    assert run.returncode == 2
+    assert run.output.strip() == ("error: --only gpu measures figure 6 on GPUs, and torch sees none here "
+                                  "(torch.cuda.device_count() is 0)")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.device_count() == 0, reason="no CUDA GPU visible to torch: figure 6 needs one")
+def test_figure_6_alone_on_a_gpu(tmp_path):
+    env = child_env()
+    env.pop("CUDA_VISIBLE_DEVICES")  # child_env hides the GPUs from the CPU suite; this run needs them
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    run = Run([sys.executable, COMPARE, "--only", "gpu", "--quick", "--out", tmp_path], env=env).wait(timeout=600)
+    assert run.returncode == 0, run.output[-3000:]
+    results = json.loads((tmp_path / "gpu.json").read_text())
+    assert "overhead" not in results and not (tmp_path / "results.json").exists()  # figures 1 to 5 did not run
+    rows = results["gpu"]["rows"]
+    assert len(rows) == 10 and all(row["samples_per_second"] > 0 for row in rows), rows
+    assert "[10/10]" in run.output and "[11/" not in run.output
+    assert (tmp_path / "gpu.md").read_text().count("| train_ddp.py (") == 6
+
+
+def test_a_failing_configuration_says_its_own_error_and_leaves_no_scratch_directory(tmp_path):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    # The first configuration, the bare loop, cannot make -1 batches: a Python traceback of its own.
+    run = Run([sys.executable, COMPARE, "--quick", "--steps", "-1", "--out", tmp_path / "out"],
+              env=child_env(TMPDIR=scratch)).wait()
+    assert run.returncode == 1, run.output[-3000:]
+    assert "bare_loop.py --steps -1 --batch-size 64 failed:\nTraceback (most recent call last):" in run.output
+    assert "RuntimeError: Trying to create tensor with negative dimension -64" in run.output
+    assert list(scratch.glob("bench-*")) == []
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+# torchrun ends a failed run's stderr with its own traceback and a ChildFailedError block, over 2,000
+# characters that name no cause; the failing rank's error comes before them.
+TORCHRUN_SUMMARY = ("ChildFailedError", "=" * 60, "Root Cause", "torch/distributed/run.py")
+
+
+def failure_message(command):
+    """What compare.py reports when ``command``, a configuration, fails."""
+    with pytest.raises(SystemExit) as stopped:
+        compare.launch(command, timeout=120)
+    return str(stopped.value.code)
+
+
+def test_a_failed_configuration_reports_the_scripts_error_line_not_torchruns_summary():
+    message = failure_message([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                               ROOT / "train_ddp.py", "--epochs", "0"])
+    assert "error: argument --epochs: must be at least 1, got 0 (see --help)" in message.splitlines()
+    assert re.search(r"^torchrun: rank [01] failed first, exit code 2$", message, re.M), message
+    assert not [text for text in TORCHRUN_SUMMARY if text in message], message
+    assert "Traceback" not in message, message
+
+
+def test_a_failed_configuration_reports_the_traceback_of_the_rank_that_failed_first(tmp_path):
+    worker = tmp_path / "worker.py"
+    worker.write_text("""
+import sys
+import time
+
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    raise ValueError("no batch for step 7")
+try:
+    dist.barrier()  # fails once rank 1 is gone: a later traceback, of no interest
+except RuntimeError:
+    sys.excepthook(*sys.exc_info())  # printed as an uncaught one would be, while this rank stays alive
+    time.sleep(60)  # until torchrun, having seen rank 1 fail first, stops it
+""")
+    message = failure_message([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", worker])
+    lines = message.splitlines()
+    assert lines[1:] == [
+        "[rank1]: Traceback (most recent call last):",
+        f'[rank1]:   File "{worker}", line 9, in <module>',
+        '[rank1]:     raise ValueError("no batch for step 7")',
+        "[rank1]: ValueError: no batch for step 7",
+        "torchrun: rank 1 failed first, exit code 1",
+    ], message
+    assert lines[0].endswith(f"{worker} failed:")
+    assert not [text for text in TORCHRUN_SUMMARY if text in message], message
