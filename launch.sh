@@ -28,8 +28,18 @@
 # launch ends with exit code 128 + the signal's number (143, 138, 130), which schedulers read as "preempted".
 set -euo pipefail
 
-script="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$1"
-shift
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+script=${1:-}
+[[ $script = /* ]] || script="$here/$script"  # beside this file, or anywhere by its full path
+shift || true
+if [ ! -f "$script" ]; then
+    echo "error: no training script $script: use run_ddp.sh, run_fsdp.sh or run_pippy.sh" \
+        "(or bash launch.sh train_ddp.py|train_fsdp.py|train_pippy.py)" >&2
+    exit 2
+fi
+for flag in "$@"; do  # one process prints the help, not one per worker
+    if [ "$flag" = --help ] || [ "$flag" = -h ]; then exec python3 "$script" --help; fi
+done
 
 # check NAME MIN MAX ALLOWED: $NAME must be a whole number from MIN to MAX. Checked here, one line each:
 # later a bad value gives torchrun's bare AssertionError (0 processes) or bash's "unbound variable" (a word).
@@ -69,6 +79,19 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
     if [ "$gpus" -gt 0 ]; then NPROC_PER_NODE=$gpus; else NPROC_PER_NODE=2; fi
 fi
 check NPROC_PER_NODE 1 999999999 "a positive integer (processes on this node)"
+# Each worker holds torch, its CUDA or CPU runtime and the data set in host memory: 0.85 GB at its peak for
+# train_ddp.py on MNIST (2 CPU processes, measured). More than fit would start, then die one by one, out of memory.
+available_mb=$(awk '/^MemAvailable:/ {print int($2 / 1024)}' /proc/meminfo 2>/dev/null || true)
+if [ -n "$available_mb" ] && (( NPROC_PER_NODE * 850 > available_mb )); then
+    echo "error: NPROC_PER_NODE=$NPROC_PER_NODE processes need about $((NPROC_PER_NODE * 850)) MB of memory (850 MB" \
+        "each), but this node has $available_mb MB available: start at most $((available_mb / 850))" >&2
+    exit 2
+fi
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc would report OMP_NUM_THREADS instead
+if (( NPROC_PER_NODE > cores )); then
+    echo "launch.sh: warning: NPROC_PER_NODE=$NPROC_PER_NODE processes share this node's $cores cores:" \
+        "each waits for the others (use at most $cores for speed)" >&2
+fi
 
 # NCCL: a collective stuck on a dead or hung peer becomes an error (and a flight-recorder dump of the
 # last collectives on each rank) instead of a silent hang; torchrun then restarts or ends the job.
@@ -81,34 +104,21 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 
 # torchrun would set 1 thread per process with a warning; use the cores this node really has instead.
 if [ -z "${OMP_NUM_THREADS:-}" ]; then
-    threads=$(( $(nproc) / NPROC_PER_NODE ))
+    threads=$(( cores / NPROC_PER_NODE ))
     export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
 fi
-# torchrun passes these signals on to the workers (its default list lacks SIGUSR1, which would kill it), then
-# gives them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30) to write their checkpoint before it kills them.
-export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
+# torchrun (plumbing/torchrun.py) passes these signals on to the workers: SIGTERM, SIGUSR1 (SLURM's warning), SIGINT,
+# SIGHUP, SIGQUIT; then it gives them 30 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, from torch 2.10) to write their checkpoint
+# before it kills them.
 
-# The torchrun below is this function: torchrun's own main(), all output passing through as is, except two
-# endings, said in one line or none instead of a 40-line traceback: a stop signal (the workers have said where
-# they stopped; exit 128 + the signal's number) and a rendezvous timeout (not all NNODES nodes joined within
-# JOIN_TIMEOUT). Copied elsewhere, the command lines work as they are with the real torchrun.
+# The torchrun below is this function: torchrun's own code, all output passing through, but a launch that fails
+# ends in one line instead of torchrun's 40- to 80-line traceback (plumbing/torchrun.py says how each ending reads).
+# Copied elsewhere, the command lines work as they are with the real torchrun.
 torchrun() {
     local timeout_error="error: not all NNODES=${NNODES:-} nodes joined at ${endpoint:-} within JOIN_TIMEOUT=${JOIN_TIMEOUT:-} s:"
     timeout_error+=" start each with the same MASTER_ADDR, MASTER_PORT and RDZV_ID, or raise JOIN_TIMEOUT"
     echo "launch.sh: torchrun $*" >&2  # at once: torch takes seconds to import before anything else is said
-    exec python3 -c 'import sys
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
-from torch.distributed.run import main
-message = sys.argv.pop(1)
-sys.argv[0] = "torchrun"
-try:
-    main()
-except SignalException as stop:
-    sys.exit(128 + int(stop.sigval))
-except RendezvousTimeoutError:
-    print(message, file=sys.stderr)
-    sys.exit(2)' "$timeout_error" "$@"
+    exec python3 "$here/plumbing/torchrun.py" "$timeout_error" "$@"
 }
 
 if [ -n "$elastic" ]; then

@@ -86,6 +86,10 @@ def find(name, data_dir, download=True):
     if name == "synthetic":
         return found
     wanted = "mnist" if name == "auto" else name
+    folder = data_dir if wanted == "cifar10" else os.path.dirname(_idx_paths(wanted, data_dir)[0])
+    if os.path.isdir(folder) and not os.access(folder, os.R_OK | os.X_OK):  # not "missing": the fix is another
+        found["broken"] = f"{os.path.abspath(folder)} cannot be read by this user (permission denied): let it read it"
+        return found
     found["missing"] = None if _on_disk(wanted, data_dir) else "--no-download forbids fetching it"
     if found["missing"] and download and name != "auto":
         try:

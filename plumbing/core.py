@@ -1,10 +1,12 @@
 """What a training script needs besides its model and data: flags, optimizer, lr, device, log, files. No collectives."""
 
 import argparse
+import errno
 import json
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -22,15 +24,16 @@ class NodeError(UsageError):
 
 
 def say(line, rank=None):  # on stderr, from the process whose global (or given) rank is 0, on every torchrun attempt
-    if (int(os.environ.get("RANK", "0")) if rank is None else rank) == 0:
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        print(line + (f" (torchrun restart {attempt})" if attempt else ""), file=sys.stderr, flush=True)
+    if (int(os.environ.get("RANK", "0")) if rank is None else rank) != 0:
+        return False
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    print(line + (f" (torchrun restart {attempt})" if attempt else ""), file=sys.stderr, flush=True)
+    return True
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse prints usage + error on every rank: one line, once
-        say(f"error: {message} (see --help)")
-        sys.exit(2)
+    def error(self, message):  # argparse prints usage + error on every rank: one line, once (hardening.run)
+        raise UsageError(f"{message} (see --help)")
 
     class Formatter(argparse.ArgumentDefaultsHelpFormatter):
         def _get_help_string(self, action):  # "(default: X)" only where X says something, and only once
@@ -123,7 +126,7 @@ def memory(model, optimizer, device):  # bytes of parameters, gradients, optimiz
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # peak resident set: Linux says KiB
 
 
-def write_atomically(path, write):  # a temporary file beside path, renamed when complete: never half a file
+def write_atomically(path, write, size=0):  # a temporary file beside path, renamed when complete: never half a file
     temporary = os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-{os.getpid()}-{os.path.basename(path)}")
     try:
         with open(temporary, "wb") as file:
@@ -131,14 +134,27 @@ def write_atomically(path, write):  # a temporary file beside path, renamed when
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
+    except (OSError, RuntimeError) as error:  # a full disk, a directory made read-only: one line, the old file kept
+        if not isinstance(cause := error if isinstance(error, OSError) else error.__context__, OSError):
+            raise  # (torch.save turns the OSError into a RuntimeError)
+        size = max(size, os.path.getsize(temporary) if os.path.exists(temporary) else 0)
+        os.remove(temporary) if os.path.exists(temporary) else None  # before the free space is measured
+        raise UsageError(f"{path} was not written ({cannot_write(path, cause, size)})") from None
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
 
 
+def cannot_write(path, error, needed=0):  # why a write failed, with the room left there when the disk is full
+    if error.errno != errno.ENOSPC:
+        return error.strerror or str(error)
+    free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    return f"the disk is full: {free / 1e6:.1f} MB are free there, this needs at least {needed / 1e6:.1f} MB"
+
+
 def save_state_dict(state_dict, path):  # plain CPU tensors, which torch.load(weights_only=True) reads
     state_dict = {name: tensor.detach().cpu() for name, tensor in state_dict.items()}
-    write_atomically(path, lambda file: torch.save(state_dict, file))
+    write_atomically(path, lambda file: torch.save(state_dict, file), sum(t.nbytes for t in state_dict.values()))
 
 
 def save_json(value, path):

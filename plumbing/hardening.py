@@ -12,14 +12,16 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.utils._pytree import tree_leaves
 
-from plumbing.core import NodeError, UsageError, save_json, say
+from plumbing.core import NodeError, UsageError, cannot_write, save_json, say
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 FORMAT = 4  # of checkpoint.json: 4 holds the peak lr
@@ -28,7 +30,8 @@ FORMAT = 4  # of checkpoint.json: 4 holds the peak lr
 def run(main, *also):
     """Run ``main()`` as a worker: under torchrun, die with it (SIGKILL, from the OOM killer or a scheduler, gives it no
     chance to stop workers, which would train on and race a restart for --checkpoint-dir; Linux's PR_SET_PDEATHSIG).
-    A UsageError (or an ``also``: the data's) is one line from rank 0 (NodeError: each node's), exit code 2."""
+    A UsageError (or an ``also``: the data's) is one line from rank 0 (NodeError: each node's), exit code 2. Under
+    torchrun a failed rank's line (a crash: its traceback) also goes to its error file, for plumbing/torchrun.py."""
     launcher = os.getppid()
     if "RANK" in os.environ and sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
@@ -37,10 +40,25 @@ def run(main, *also):
     try:
         main()
     except (UsageError, *also) as error:
-        say(f"error: {error}", rank=int(os.environ.get("LOCAL_RANK", "0")) if isinstance(error, NodeError) else None)
-        sys.exit(2)
+        _end(f"error: {error}", 2, int(os.environ.get("LOCAL_RANK", "0")) if isinstance(error, NodeError) else None)
+    except KeyboardInterrupt:  # before the training loop's StopSignals
+        _end("stopped by SIGINT during start-up", 130)
+    except Exception:
+        if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+            raise
+        _end(traceback.format_exc().rstrip(), 1, rank=-1)  # for the launcher to print, if this rank failed first
     finally:  # DDP's and FSDP's reference cycles keep gloo's threads alive; at interpreter shutdown gloo would abort
         gc.collect()
+
+
+def _end(line, exit_code, rank=None):
+    for number in STOP_SIGNALS:  # print it and note it, or neither: torchrun may be stopping this rank meanwhile
+        signal.signal(number, signal.SIG_IGN)
+    said, here = say(line, rank), rank is not None or os.environ.get("GROUP_RANK", "0") == "0"  # here: its speaker
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's format (message, timestamp), and what the launcher needs
+        save_json({"message": line, "timestamp": int(time.time()), "time": time.time(), "said": said, "here": here},
+                  os.environ["TORCHELASTIC_ERROR_FILE"])
+    sys.exit(exit_code)
 
 
 class StopSignals:
@@ -88,17 +106,29 @@ class Checkpointer:
         """Collective: all write their part into .tmp-step-<N>; rank 0 hashes, adds checkpoint.json, renames it."""
         final, temporary = (os.path.join(self.directory, f"{prefix}step-{step}") for prefix in ("", ".tmp-"))
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        rng = {f"rank{dist.get_rank()}": self._random_states()}
-        dcp.save({"model": model_state, "optimizer": optimizer_state["state"], "rng": rng}, checkpoint_id=temporary)
-        if dist.get_rank() == 0:  # dcp.save returns here once every rank's files and .metadata are written
-            files = {name: _fingerprint(os.path.join(temporary, name)) for name in sorted(os.listdir(temporary))}
-            save_json({"format": FORMAT, "layout": self.layout, "step": step, **position, "peak_lr": peak_lr,
-                       "files": files}, os.path.join(temporary, "checkpoint.json"))
-            shutil.rmtree(final, ignore_errors=True)  # the same step saved before (a rerun)
-            os.replace(temporary, final)
-            for old in self._complete()[: -self.args.keep_checkpoints]:
-                shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
-        dist.barrier()  # nobody exits (on a stop) or saves again before this checkpoint is in place
+        state = {"model": model_state, "optimizer": optimizer_state["state"],
+                 "rng": {f"rank{dist.get_rank()}": self._random_states()}}
+        problem = [None]
+        try:
+            dcp.save(state, checkpoint_id=temporary)  # raises on every rank if one rank's write fails
+            if dist.get_rank() == 0:  # dcp.save returns here once every rank's files and .metadata are written
+                files = {name: _fingerprint(os.path.join(temporary, name)) for name in sorted(os.listdir(temporary))}
+                save_json({"format": FORMAT, "layout": self.layout, "step": step, **position, "peak_lr": peak_lr,
+                           "files": files}, os.path.join(temporary, "checkpoint.json"))
+                shutil.rmtree(final, ignore_errors=True)  # the same step saved before (a rerun)
+                os.replace(temporary, final)
+                for old in self._complete()[: -self.args.keep_checkpoints]:
+                    shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
+        except (OSError, UsageError, CheckpointException) as error:  # a full disk, a directory made read-only
+            cause = next(iter(getattr(error, "failures", {}).values()), [error])[0]  # DCP's: {rank: (error, trace)}
+            needed = sum(getattr(t, "_local_tensor", t).nbytes for t in tree_leaves(state) if torch.is_tensor(t))
+            why = cannot_write(temporary, cause, needed) if isinstance(cause, OSError) else str(cause)
+            problem[0] = (f"checkpoint step-{step} was not written to {self.directory} ({why}): the ones saved "
+                          "before it are intact; fix that, and the same command resumes from them")
+            shutil.rmtree(temporary, ignore_errors=True)
+        dist.broadcast_object_list(problem, src=0)  # nobody exits or saves again before rank 0 has the checkpoint in place
+        if problem[0]:
+            raise UsageError(problem[0])
 
     def _random_states(self):  # this rank's generators: the CPU's, and its GPU's when it trains on one
         return {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(self.device)}
@@ -160,8 +190,8 @@ class Checkpointer:
             if not path:
                 continue
             try:
-                if os.path.exists(path) and os.path.isdir(path) != folder:
-                    raise OSError("it is a file, not a directory" if folder else "it is a directory")
+                if (os.path.exists(path) and os.path.isdir(path) != folder) or (not folder and path.endswith("/")):
+                    raise OSError("it is a file, not a directory" if folder else "it names a directory, not a file")
                 os.makedirs(directory := path if folder else os.path.dirname(os.path.abspath(path)), exist_ok=True)
                 tempfile.TemporaryFile(dir=directory).close()  # a real write there, gone at once
             except OSError as error:
@@ -217,3 +247,4 @@ def _fingerprint(path):  # [size in bytes, SHA-256] of a file, read in 1 MiB pie
             digest.update(piece)
             size += len(piece)
     return [size, digest.hexdigest()]
+

@@ -1,4 +1,5 @@
-"""Bad input, every case in one table: one `error:` line from rank 0, exit code 2, nothing written.
+"""Bad input, every case in one table: one `error:` line from rank 0, exit code 2, nothing written, launched as a user
+launches it (`bash run_ddp.sh`, torchrun and all: no traceback of its own may follow the line).
 
 A case is one line: (script, processes, flags, the error line it must give). One process where the
 world size does not matter. All cases start at once and fail within seconds, before any training
@@ -9,11 +10,14 @@ flags) in test_launch.py, and bad checkpoints (made from its uninterrupted runs)
 """
 
 import os
+import re
+import shutil
+import sys
 
 import pytest
 import torch
 
-from conftest import _write_idx, assert_one_line_error, launch, mnist_args
+from conftest import ROOT, Run, _write_idx, assert_one_line_error, child_env, mnist_args, python, run_sh
 from models.data import synthetic_digits
 
 CASES = {
@@ -41,6 +45,8 @@ CASES = {
     "unwritable-save": ("train_ddp.py", 1, ["--dataset", "synthetic", "--save", "{tmp}"], "--save {tmp}: cannot write there"),
     "save-is-metrics": ("train_ddp.py", 1, ["--dataset", "synthetic", "--save", "{tmp}/run", "--metrics", "{tmp}/run"],
                         "--save and --metrics are both {tmp}/run: the metrics would replace the weights"),
+    "save-names-a-directory": ("train_ddp.py", 1, ["--dataset", "synthetic", "--save", "{tmp}/new/"],
+                               "--save {tmp}/new/: cannot write there (it names a directory, not a file)"),
     "checkpoint-dir-is-a-file": ("train_ddp.py", 1, ["--dataset", "synthetic", "--checkpoint-dir", "{tmp}/file"],
                                  "--checkpoint-dir {tmp}/file: cannot write there (it is a file, not a directory)"),
     # data
@@ -91,7 +97,7 @@ def runs(mnist_dir, tmp_path_factory):
     (tmp / "file").write_text("not a directory")
     bad_mnist(bad)
     fill = {"tmp": str(tmp), "mnist": str(mnist_dir), "bad": str(bad)}
-    started = {case: launch(script, processes, *[str(a).format(**fill) for a in flags])
+    started = {case: run_sh(script, processes, *[str(a).format(**fill) for a in flags])
                for case, (script, processes, flags, _) in CASES.items()}
     return started, fill
 
@@ -101,6 +107,76 @@ def test_bad_input_is_one_line_from_rank_zero(case, runs):
     started, fill = runs
     run = started[case].wait()
     assert_one_line_error(run, CASES[case][3].format(**fill))
-    assert run.returncode == 2 or CASES[case][1] > 1  # torchrun reports its workers' failure as 1
     assert not os.path.exists(os.path.join(fill["tmp"], "diverged.pt"))  # a diverged run saves nothing
     assert not os.path.exists(os.path.join(fill["tmp"], "run"))
+
+
+def test_a_bad_input_is_one_line_on_every_attempt_torchrun_makes_and_without_it():
+    flags = ["--dataset", "synthetic", "--batch-size", "40000"]
+    message = "--batch-size 40000 x --grad-accum 1 is more than the 30000 samples each of the 2 ranks gets"
+    restarted = run_sh("train_ddp.py", 2, *flags, env=child_env(MAX_RESTARTS=1))
+    alone = python("train_ddp.py", *flags, "--batch-size", "60001").wait()
+    assert_one_line_error(alone, "is more than the 60000 samples each of the 1 ranks gets")
+    run = restarted.wait()
+    assert run.returncode == 2, run.output
+    lines = [line for line in run.output.splitlines() if not line.startswith(("launch.sh: torchrun ", "[Gloo] Rank"))]
+    assert lines == [f"error: {message} from synthetic; make it smaller",
+                     f"error: {message} from synthetic; make it smaller (torchrun restart 1)"], run.output
+
+
+def test_help_prints_once_and_a_missing_script_is_one_line():
+    run = Run(["bash", ROOT / "run_fsdp.sh", "--help"], env=child_env()).wait()
+    assert run.returncode == 0 and run.output.count("usage: train_fsdp.py") == 1, run.output
+    run = Run(["bash", ROOT / "launch.sh", "train_nope.py"], env=child_env()).wait()
+    assert run.returncode == 2 and run.output.splitlines() == [
+        f"error: no training script {ROOT}/train_nope.py: use run_ddp.sh, run_fsdp.sh or run_pippy.sh "
+        "(or bash launch.sh train_ddp.py|train_fsdp.py|train_pippy.py)"], run.output
+
+
+
+def with_full_disk(directory, command, before=":"):
+    """Run ``command`` with a 300 kB file system of its own at ``directory`` (a user and mount namespace: no root
+    needed), ``before`` run there first; what the directory holds at the end is listed in ``directory``.left."""
+    script = (f'mount -t tmpfs -o size=300k tmpfs "{directory}" && cd "{directory}" && {before} && "$@"; code=$?; '
+              f'find . -mindepth 1 | sort > "{directory}.left"; exit $code')
+    return Run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", script, "--", *map(str, command)],
+               env=child_env(NPROC_PER_NODE=2, PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"))
+
+
+def test_a_full_disk_is_one_line_that_names_the_path_and_the_space(tmp_path):
+    flags = ["--dataset", "synthetic", "--max-steps", "20", "--no-eval", "--log-every", "10"]
+    for name in ("save", "checkpoint"):
+        (tmp_path / name).mkdir()
+    runs = {  # --save over an older file of that name, at the end; a checkpoint, at step 10
+        "save": with_full_disk(tmp_path / "save", ["bash", ROOT / "run_ddp.sh", *flags, "--save", "old.pt"],
+                               before="head -c 250000 /dev/zero > old.pt"),
+        "checkpoint": with_full_disk(tmp_path / "checkpoint", ["bash", ROOT / "run_ddp.sh", *flags, "--checkpoint-dir",
+                                                               "ck", "--checkpoint-every", "10"]),
+    }
+    for name, run in runs.items():
+        assert_one_line_error(run.wait(), "(the disk is full: ")
+        output, left = run.output, (tmp_path / f"{name}.left").read_text()
+        line = output.splitlines()[-1]
+        free, needed = map(float, re.search(r"([\d.]+) MB are free there, this needs at least ([\d.]+) MB", line).groups())
+        assert free < needed < 1, line  # BabyCNN's 43k parameters: 0.17 MB, with AdamW's state 0.5 MB
+        if name == "save":
+            assert line.startswith("error: old.pt was not written (the disk is full: ") and left.split() == ["./old.pt"]
+            assert "step 20/20" in output  # found at the end: training ran
+        else:
+            assert line.startswith("error: checkpoint step-10 was not written to ck (the disk is full: ")
+            assert line.endswith("the ones saved before it are intact; fix that, and the same command resumes from them")
+            assert left.split() == ["./ck"], left  # no .tmp-step-10 left behind
+
+
+def test_a_data_directory_this_user_cannot_read_is_named_as_such(mnist_dir, tmp_path):
+    shutil.copytree(mnist_dir, tmp_path / "data")
+    (tmp_path / "data" / "MNIST" / "raw").chmod(0)
+    # In a user namespace of its own, root too meets file permissions: the files of the real root are not its own.
+    command = ["bash", ROOT / "run_ddp.sh", *mnist_args(tmp_path / "data")]
+    run = Run(command if os.geteuid() else ["unshare", "--user", *map(str, command)],
+              env=child_env(NPROC_PER_NODE=2, PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"))
+    try:
+        assert_one_line_error(run.wait(), f"error: {tmp_path}/data/MNIST/raw cannot be read by this user (permission "
+                                          "denied): let it read it")
+    finally:
+        (tmp_path / "data" / "MNIST" / "raw").chmod(0o755)

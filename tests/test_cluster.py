@@ -48,11 +48,12 @@ def assert_stopped(run, signal_name, checkpoint_dir):
 
 
 def test_slurm_two_nodes_stop_before_the_time_limit_requeue_and_end_like_one_node(never_stopped, mnist_dir, tmp_path):
-    requeued = tmp_path / "scontrol.log"
+    requeued, srun_options = tmp_path / "scontrol.log", tmp_path / "srun.log"
     env = launcher_env(
-        # What SLURM sets in the batch script of a 2-node job (the hosts: both this machine).
+        # What SLURM sets in the batch script of a 2-node job (the hosts: both this machine), the CPUs from
+        # its #SBATCH --cpus-per-task.
         SLURM_JOB_ID=4242, SLURM_JOB_NAME="babycnn", SLURM_JOB_NUM_NODES=2, SLURM_JOB_NODELIST="127.0.0.1,localhost",
-        SLURM_SUBMIT_DIR=ROOT, SCONTROL_LOG=requeued,
+        SLURM_CPUS_PER_TASK=32, SLURM_SUBMIT_DIR=ROOT, SCONTROL_LOG=requeued, SRUN_LOG=srun_options,
         NPROC_PER_NODE=1, MASTER_PORT=free_port(), CHECKPOINT_DIR=tmp_path / "ck",  # a CPU "node": 1 process
     )
     env["PATH"] = f"{STAND_INS}{os.pathsep}{env['PATH']}"
@@ -74,6 +75,8 @@ def test_slurm_two_nodes_stop_before_the_time_limit_requeue_and_end_like_one_nod
     assert "2 node(s), node 0 127.0.0.1" in second.output and "DDP on 2 rank(s)" in second.output
     assert requeued.read_text() == "requeue 4242\n"  # a job that finished is not requeued
     assert max_difference(load_weights(tmp_path / "final.pt"), never_stopped) == 0
+    # Each job's srun asks for the job's CPUs per task: since Slurm 22.05 it does not inherit them from #SBATCH.
+    assert srun_options.read_text() == "--cpus-per-task=32\n" * 2
 
 
 @pytest.mark.parametrize("strategy, error", [
@@ -217,3 +220,9 @@ def _command_line(pid):
             return f.read()
     except OSError:
         return b""
+
+
+def test_the_image_pins_the_torch_release_ci_tests_as_the_floor():
+    image = re.search(r"^FROM pytorch/pytorch:([\d.]+)-", (ROOT / "k8s" / "Dockerfile").read_text(), re.M).group(1)
+    floor = re.search(r"pip install --quiet torch==([\d.]+) ", (ROOT / ".ci" / "run").read_text()).group(1)
+    assert image == floor == "2.9.1"

@@ -1,11 +1,15 @@
 """launch.sh (behind every run_*.sh): how many processes it starts, and what it refuses."""
 
 import os
+import signal
 import socket
+import time
 
 import pytest
 
-from conftest import ROOT, Run, assert_one_line_error, free_port, launcher_env, mnist_args, succeeded
+from conftest import (
+    ROOT, Run, alive, assert_one_line_error, free_port, launcher_env, mnist_args, succeeded, worker_pids,
+)
 
 
 def test_the_process_count_is_the_gpus_torch_sees_not_those_nvidia_smi_lists(mnist_dir, tmp_path):
@@ -38,6 +42,9 @@ BAD_VARIABLES = {
     "master-port-70000": ({"MASTER_PORT": 70000}, "MASTER_PORT must be a port number, 1 to 65535, got '70000'"),
     "max-restarts-negative": ({"MAX_RESTARTS": -1}, "MAX_RESTARTS must be an integer, 0 or more, got '-1'"),
     "join-timeout-0": ({"JOIN_TIMEOUT": 0}, "JOIN_TIMEOUT must be a positive integer (seconds), got '0'"),
+    # 850 MB each: more processes than any machine's memory holds
+    "nproc-past-memory": ({"NPROC_PER_NODE": 10**8}, "NPROC_PER_NODE=100000000 processes need about 85000000000 MB of "
+                          "memory (850 MB each), but this node has"),
     "no-master-addr": ({"NNODES": 2, "NODE_RANK": 1}, "NNODES=2 needs MASTER_ADDR, node 0's address"),
     # several nodes: what torchrun reports in a 40- to 80-line traceback, or after 10 silent minutes
     "master-port-in-use": ({**NODE_0, "MASTER_PORT": "{busy}"},
@@ -82,3 +89,96 @@ def test_a_bad_launcher_variable_is_one_line(case, bad_launches):
     assert "Traceback" not in run.output, run.output
     if BAD_VARIABLES[case][0].get("JOIN_TIMEOUT") == 3:  # before waiting, a node says for whom and how long
         assert "waiting up to JOIN_TIMEOUT=3 s" in run.output, run.output
+
+
+def test_more_processes_than_cores_is_a_one_line_warning():
+    cores = len(os.sched_getaffinity(0))  # as nproc counts them
+    run = Run(["bash", ROOT / "run_ddp.sh", "--batch-size", "0"], env=launcher_env(NPROC_PER_NODE=cores + 1)).wait()
+    assert run.output.splitlines()[0] == (f"launch.sh: warning: NPROC_PER_NODE={cores + 1} processes share this node's "
+                                          f"{cores} cores: each waits for the others (use at most {cores} for speed)")
+    assert_one_line_error(run, "argument --batch-size: must be at least 1, got 0")
+
+
+# How a launch ends when a worker fails or will not stop: one line from plumbing/torchrun.py (launch.sh's torchrun),
+# never torchrun's ChildFailedError traceback. A worker that fails on purpose is a few lines calling the real
+# hardening.run, as a training script does; the killed and the stuck ones are train_ddp.py.
+WORKER = """import sys, time
+import torch, torch.distributed as dist
+from plumbing import core, hardening
+
+def main():
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        {rank_1}
+    time.sleep(0.5)
+    dist.barrier()  # rank 1 has gone: gloo fails here, after rank 1
+    time.sleep(60)
+
+hardening.run(main)
+"""
+ENDINGS = {  # rank 1's line, and what the launch must print after its command line
+    # rank 0 fails only because rank 1 has gone: its error is left out, rank 1's traceback is said once
+    "crash": ('raise ValueError("rank 1 went wrong")',
+              ["Traceback (most recent call last):", "ValueError: rank 1 went wrong",
+               "error: rank 1 (pid {pid}) on {host} failed with exit code 1: its traceback is above"], 1),
+    # rank 0 never gets to say it (torchrun stops it first): the launcher prints rank 1's line from its error file
+    "bad-input-found-by-rank-1": ('raise core.UsageError("rank 1 found a bad input")',
+                                  ["error: rank 1 found a bad input"], 2),
+}
+
+
+@pytest.mark.parametrize("case", ENDINGS)
+def test_a_failing_worker_is_said_once_in_its_own_words(case, tmp_path):
+    rank_1, expected, exit_code = ENDINGS[case]
+    (tmp_path / "worker.py").write_text(WORKER.format(rank_1=rank_1))
+    run = Run(["bash", ROOT / "launch.sh", tmp_path / "worker.py"], env=launcher_env(NPROC_PER_NODE=2)).wait(timeout=90)
+    lines = [line for line in run.output.splitlines() if not line.startswith(("launch.sh: torchrun", "[Gloo] Rank"))]
+    pid = lines[-1].split("(pid ")[1].split(")")[0] if "(pid " in lines[-1] else "?"
+    said = [line.format(pid=pid, host=socket.gethostname()) for line in expected]
+    assert run.returncode == exit_code and lines[-1] == said[-1], run.output
+    assert [line for line in lines if line in said] == said, run.output  # each once, in order
+    assert "ChildFailedError" not in run.output and "Connection" not in run.output, run.output  # rank 0's: left out
+    assert len(lines) < 12, run.output
+
+
+def test_a_killed_rank_is_one_line(mnist_dir):
+    run = Run(["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), "--epochs", "50", "--log-every", "1"],
+              env=launcher_env(NPROC_PER_NODE=2))
+    run.wait_for_text("step 2/")
+    os.kill(worker_pids(run.process.pid)[1], signal.SIGKILL)  # bash execs torchrun: the launch is its process
+    run.wait(timeout=60)
+    last = run.output.splitlines()[-1]
+    assert run.returncode == 1 and last.startswith("error: rank 1 (pid ") and last.endswith(
+        "was killed by SIGKILL: out of memory? the kernel's log (dmesg) says"), run.output
+    assert "Traceback" not in run.output and "[rank" not in run.output, run.output
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_a_stop_that_cannot_reach_a_stuck_rank_says_so(signals, mnist_dir):
+    # Rank 1 stops (SIGSTOP), so rank 0 waits for it in a collective and neither can reach a checkpoint: torchrun
+    # kills both after its shutdown timeout (3 s here, from torch 2.10; 30 s before), or at once on a second signal.
+    run = Run(["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), "--epochs", "50", "--log-every", "1"],
+              env=launcher_env(NPROC_PER_NODE=2, TORCH_ELASTIC_SHUTDOWN_TIMEOUT=3))
+    run.wait_for_text("step 2/")
+    launcher = run.process.pid
+    workers = worker_pids(launcher)
+    os.kill(workers[1], signal.SIGSTOP)
+    time.sleep(1)
+    os.kill(launcher, signal.SIGTERM)
+    if signals == 2:
+        time.sleep(2)
+        second = time.monotonic()
+        os.kill(launcher, signal.SIGTERM)
+    run.wait(timeout=90)
+    lines = run.output.splitlines()
+    assert run.returncode == 143, run.output
+    if signals == 2:
+        assert time.monotonic() - second < 10, run.output  # not torchrun's whole shutdown timeout again
+        assert lines[-1] == (f"SIGTERM again: ending now, without waiting for rank 0 (pid {workers[0]}), rank 1 "
+                             f"(pid {workers[1]}) to stop"), run.output
+    else:
+        assert f"error: rank 1 (pid {workers[1]}) did not stop within" in run.output, run.output
+        assert "s of SIGTERM: stuck in a collective, or stopped? killing it; it wrote no checkpoint" in run.output
+    assert "Traceback" not in run.output and not [line for line in lines if line.startswith(("W1", "E1"))]
+    assert not alive(workers[0]) and not alive(workers[1])
+

@@ -11,7 +11,9 @@ import pytest
 from conftest import ROOT, Run, child_env, succeeded
 
 SCRIPTS = ["train_ddp.py", "train_fsdp.py", "train_pippy.py"]
-MAX_LINES = 400  # what a copy carries besides the script, its model and its data
+# What a copy carries besides the script, its model and its data: 400 lines for issue 20; issue 22's one-line endings
+# (each failed rank's error file for the launcher, a full disk said as one) took 50 more.
+MAX_LINES = 450
 MAX_HIDDEN_COLLECTIVES = 6  # collective calls outside the scripts
 # The collectives of torch.distributed, and DCP's save and load, which are collectives too.
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
@@ -87,7 +89,7 @@ def project_imports(path, seen=None):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_a_copy_carries_at_most_400_lines_besides_model_and_data(script):
+def test_a_copy_carries_at_most_450_lines_besides_model_and_data(script):
     carried = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines())
                for p in project_imports(ROOT / script) if p.parent.name != "models"}
     assert set(carried) == {"plumbing/__init__.py", "plumbing/core.py", "plumbing/hardening.py"}, carried
