@@ -135,21 +135,22 @@ def write_atomically(path, write, size=0):  # a temporary file beside path, rena
             os.fsync(file.fileno())
         os.replace(temporary, path)
     except (OSError, RuntimeError) as error:  # a full disk, a directory made read-only: one line, the old file kept
-        if not isinstance(cause := error if isinstance(error, OSError) else error.__context__, OSError):
-            raise  # (torch.save turns the OSError into a RuntimeError)
+        if not isinstance(error, OSError) and not isinstance(error.__context__, OSError):
+            raise
         size = max(size, os.path.getsize(temporary) if os.path.exists(temporary) else 0)
         os.remove(temporary) if os.path.exists(temporary) else None  # before the free space is measured
-        raise UsageError(f"{path} was not written ({cannot_write(path, cause, size)})") from None
+        raise UsageError(f"{path} was not written ({cannot_write(path, error, size)})") from None
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
 
 
-def cannot_write(path, error, needed=0):  # why a write failed, with the room left there when the disk is full
-    if error.errno != errno.ENOSPC:
-        return error.strerror or str(error)
+def cannot_write(path, error, needed=0):  # why a write failed; a full disk, with the room left (torch.save and DCP
+    error = error.__context__ if isinstance(error.__context__, OSError) else error  # may hide its OSError)
     free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
-    return f"the disk is full: {free / 1e6:.1f} MB are free there, this needs at least {needed / 1e6:.1f} MB"
+    if getattr(error, "errno", None) == errno.ENOSPC or free < needed:
+        return f"the disk is full: {free / 1e6:.1f} MB are free there, this needs at least {needed / 1e6:.1f} MB"
+    return getattr(error, "strerror", None) or " ".join(str(error).split())
 
 
 def save_state_dict(state_dict, path):  # plain CPU tensors, which torch.load(weights_only=True) reads

@@ -119,10 +119,10 @@ class Checkpointer:
                 os.replace(temporary, final)
                 for old in self._complete()[: -self.args.keep_checkpoints]:
                     shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
-        except (OSError, UsageError, CheckpointException) as error:  # a full disk, a directory made read-only
+        except (OSError, RuntimeError, UsageError, CheckpointException) as error:  # a full disk, a read-only directory
             cause = next(iter(getattr(error, "failures", {}).values()), [error])[0]  # DCP's: {rank: (error, trace)}
             needed = sum(getattr(t, "_local_tensor", t).nbytes for t in tree_leaves(state) if torch.is_tensor(t))
-            why = cannot_write(temporary, cause, needed) if isinstance(cause, OSError) else str(cause)
+            why = cannot_write(temporary, cause, needed)
             problem[0] = (f"checkpoint step-{step} was not written to {self.directory} ({why}): the ones saved "
                           "before it are intact; fix that, and the same command resumes from them")
             shutil.rmtree(temporary, ignore_errors=True)

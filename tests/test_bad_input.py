@@ -12,12 +12,13 @@ flags) in test_launch.py, and bad checkpoints (made from its uninterrupted runs)
 import os
 import re
 import shutil
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, Run, _write_idx, assert_one_line_error, child_env, mnist_args, python, run_sh
+from conftest import (
+    ROOT, Run, _write_idx, assert_one_line_error, child_env, launcher_env, mnist_args, python, run_sh,
+)
 from models.data import synthetic_digits
 
 CASES = {
@@ -140,7 +141,14 @@ def with_full_disk(directory, command, before=":"):
     script = (f'mount -t tmpfs -o size=300k tmpfs "{directory}" && cd "{directory}" && {before} && "$@"; code=$?; '
               f'find . -mindepth 1 | sort > "{directory}.left"; exit $code')
     return Run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", script, "--", *map(str, command)],
-               env=child_env(NPROC_PER_NODE=2, PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"))
+               env=launcher_env(NPROC_PER_NODE=2))
+
+
+def bound_by_permissions(command, cwd=None):
+    """Start ``command`` (2 processes) so that file permissions bind it: under root, in a user namespace of its own,
+    where the real root's files are not its own and root's right to ignore permissions does not reach them."""
+    command = [str(part) for part in command]
+    return Run(command if os.geteuid() else ["unshare", "--user", *command], cwd=cwd, env=launcher_env(NPROC_PER_NODE=2))
 
 
 def test_a_full_disk_is_one_line_that_names_the_path_and_the_space(tmp_path):
@@ -171,12 +179,23 @@ def test_a_full_disk_is_one_line_that_names_the_path_and_the_space(tmp_path):
 def test_a_data_directory_this_user_cannot_read_is_named_as_such(mnist_dir, tmp_path):
     shutil.copytree(mnist_dir, tmp_path / "data")
     (tmp_path / "data" / "MNIST" / "raw").chmod(0)
-    # In a user namespace of its own, root too meets file permissions: the files of the real root are not its own.
-    command = ["bash", ROOT / "run_ddp.sh", *mnist_args(tmp_path / "data")]
-    run = Run(command if os.geteuid() else ["unshare", "--user", *map(str, command)],
-              env=child_env(NPROC_PER_NODE=2, PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"))
+    run = bound_by_permissions(["bash", ROOT / "run_ddp.sh", *mnist_args(tmp_path / "data")])
     try:
         assert_one_line_error(run.wait(), f"error: {tmp_path}/data/MNIST/raw cannot be read by this user (permission "
                                           "denied): let it read it")
     finally:
         (tmp_path / "data" / "MNIST" / "raw").chmod(0o755)
+
+
+def test_a_checkpoint_directory_made_read_only_mid_run_is_one_line(tmp_path):
+    command = ["bash", ROOT / "run_ddp.sh", "--dataset", "synthetic", "--epochs", "50", "--log-every", "1", "--no-eval",
+               "--checkpoint-dir", "ck", "--checkpoint-every", "10"]
+    run = bound_by_permissions(command, cwd=tmp_path)
+    run.wait_for_text("step 3/")  # checked writable at the start; read-only before the first checkpoint, at step 10
+    (tmp_path / "ck").chmod(0o555)
+    try:
+        assert_one_line_error(run.wait(), "error: checkpoint step-10 was not written to ck (Permission denied): the ones "
+                                          "saved before it are intact; fix that, and the same command resumes from them")
+        assert list((tmp_path / "ck").iterdir()) == []
+    finally:
+        (tmp_path / "ck").chmod(0o755)

@@ -13,8 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import (
-    EQUIVALENCE, assert_one_line_error, assert_same_math, child_env, load_weights, mnist_args, python, succeeded,
-    torchrun,
+    EQUIVALENCE, assert_one_line_error, assert_same_math, child_env, load_weights, mnist_args, python, run_sh,
+    succeeded, torchrun,
 )
 
 GPUS = torch.cuda.device_count()
@@ -89,5 +89,7 @@ def test_a_checkpoint_resumes_on_gpus_with_every_random_state(mnist_dir, tmp_pat
 
 
 def test_more_processes_than_gpus_is_one_line_per_node(mnist_dir):
-    run = torchrun("train_ddp.py", GPUS + 1, *mnist_args(mnist_dir), "--device", "cuda", env=gpu_env()).wait()
+    # Through run_ddp.sh, as a user launches it: when torchrun stops rank 0 before it speaks (rank 1 failed first),
+    # the launcher prints rank 1's line.
+    run = run_sh("train_ddp.py", GPUS + 1, *mnist_args(mnist_dir), "--device", "cuda", env=gpu_env()).wait()
     assert_one_line_error(run, f"{GPUS + 1} processes on this node need {GPUS + 1} GPUs, but torch sees {GPUS}")
