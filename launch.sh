@@ -17,7 +17,8 @@
 # MAX_RESTARTS    times torchrun restarts all workers after one fails (default 0 on one node, 3 on
 #                 several); with --checkpoint-dir the restarted workers resume from the last checkpoint
 # OMP_NUM_THREADS CPU threads per process (default: this machine's cores / NPROC_PER_NODE, at least 1)
-# A bad value stops the launch at once with one `error:` line and exit code 2.
+# A bad value stops the launch at once with one `error:` line and exit code 2; so does NPROC_PER_NODE past what this
+# node's memory holds (850 MB each); more than its cores is a one-line warning.
 #
 # Under a PyTorchJob with an elasticPolicy (Kubeflow's Training Operator, k8s/), the operator sets torchrun's
 # own variables instead (PET_NNODES=MIN:MAX, PET_RDZV_ENDPOINT, PET_RDZV_ID, PET_MAX_RESTARTS), and torchrun
@@ -26,6 +27,8 @@
 # SIGTERM, SIGUSR1 (SLURM's warning before a time limit) or SIGINT to torchrun: it passes the signal on, the
 # workers stop together at their next logging step and write a checkpoint (with --checkpoint-dir), and the
 # launch ends with exit code 128 + the signal's number (143, 138, 130), which schedulers read as "preempted".
+# A second signal ends it at once. A failed launch ends in one line, not torchrun's traceback: exit code 2 for a
+# bad input the workers found, 1 for a crash (plumbing/torchrun.py says what each ending prints).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
