@@ -99,11 +99,6 @@ def main():
             raise core.UsageError(f"--schedule {args.schedule} runs {stages_kind} stages per rank, "
                                   f"not --stages-per-rank {stages_per_rank}")
         check_microbatches(args, num_stages, pipeline_ranks)
-        if args.schedule == "zbv" and not args.no_eval:
-            raise core.UsageError(
-                f"--schedule zbv trains, but its forward-only evaluation fails on torch {torch.__version__} "
-                "(\"can't steal_bwd_input if this stage doesn't have backward\"); add --no-eval"
-            )
         if args.compile:
             # Seen on torch 2.14: compiled blocks may return non-contiguous activations, which the stages'
             # send refuses ("input tensor has to be contiguous").
@@ -138,6 +133,20 @@ def main():
         if num_stages > len(model.blocks):
             raise core.UsageError(f"{pipeline_ranks} pipeline ranks x {stages_per_rank} stages per rank = "
                                   f"{num_stages} stages, but BabyCNN has only {len(model.blocks)} blocks")
+        # A rank holds two neighbouring stages in the V (zbv), and in the loop placement with one pipeline rank.
+        neighbours_on_one_rank = num_stages > 1 and (args.schedule == "zbv" or pipeline_ranks == 1)
+        if neighbours_on_one_rank and backend == "gloo" and torch.__version__ < (2, 10):
+            raise core.UsageError(
+                f"on torch {torch.__version__}, --schedule {args.schedule} with two neighbouring stages on one rank "
+                "fails on gloo: its schedules send activations between a rank's own stages through the process group, "
+                "and gloo cannot send to its own rank (\"Pair is not connected\"); torch 2.14 passes them in memory"
+            )
+        if neighbours_on_one_rank and not args.no_eval:
+            raise core.UsageError(
+                f"--schedule {args.schedule} trains, but its forward-only evaluation fails on torch "
+                f"{torch.__version__} when a rank holds two neighbouring stages (\"can't steal_bwd_input if this "
+                "stage doesn't have backward\"); add --no-eval"
+            )
         stage_blocks = model.stage_blocks(num_stages)  # contiguous blocks per stage, balanced by compute
         # Loop placement puts stage s on rank s % ranks; the V (zbv) gives rank r stages r and 2 x ranks - 1 - r.
         if args.schedule == "zbv":
@@ -158,7 +167,7 @@ def main():
         for stage_index in stage_indices:
             # Shares model's blocks: the optimizer and the checkpoints see the same parameters.
             stage_model = Stage([model.blocks[block] for block in stage_blocks[stage_index]], autocast)
-            stages.append(PipelineStage(stage_model, stage_index, num_stages, device, group=pp_group))
+            stages.append(PIPELINE_STAGE(stage_model, stage_index, num_stages, device, group=pp_group))
         has_first_stage, has_last_stage = 0 in stage_indices, num_stages - 1 in stage_indices
 
         def loss_fn(logits, labels):  # runs on the last stage, once per microbatch, in the weights' dtype (not bf16)
@@ -293,6 +302,32 @@ class Stage(nn.Sequential):
     def forward(self, x):
         with self.autocast:
             return super().forward(x)
+
+
+class Torch29PipelineStage(PipelineStage):
+    """A PipelineStage without two torch 2.9 bugs (fixed in 2.10). At the first step() or eval(), its schedules open
+    the links between stages by sending an int64 scalar into a float32 buffer: gloo aborts ("8 vs 4. Received data
+    size doesn't match expected size"; pytorch PR 165539). And an eval() before the first step() (a run resumed at an
+    epoch's end) sets the stage up without its backward, for good: that step() fails (pytorch issue 162822)."""
+
+    # Both override private methods of torch 2.9's stage.
+    def _get_init_p2p_neighbors_ops(self):
+        ops = super()._get_init_p2p_neighbors_ops()
+        for op in ops:
+            op.tensor = op.tensor.float()  # a send's int64 stage index; a receive's buffer is float32 already
+        return ops
+
+    def _prepare_forward_infra(self, num_microbatches, *args, **kwargs):
+        # Set up as a first step() does, even in an eval() (has_backward False): these stages train.
+        training, self.has_backward = self.has_backward, True
+        outputs = super()._prepare_forward_infra(num_microbatches, *args, **kwargs)
+        self._prepare_backward_infra(num_microbatches)
+        self.has_backward = training
+        return outputs
+
+
+# On 2.9 only: later releases need neither workaround, and may change the private methods they override.
+PIPELINE_STAGE = PipelineStage if torch.__version__ >= (2, 10) else Torch29PipelineStage
 
 
 def check_microbatches(args, num_stages, pipeline_ranks):

@@ -116,7 +116,7 @@ def run_schedules(mesh):
             record_actions(stages[-1], log)
         schedule = schedule_class(stages[0] if stages_kind == "one" else stages, n_microbatches=MICROBATCHES,
                                   loss_fn=F.cross_entropy, scale_grads=False)
-        schedule.step(images if 0 in stage_indices else None, target=labels)
+        schedule.step(*([images] if 0 in stage_indices else []), target=labels)  # only the first stage takes inputs
         # pipeline_order maps every pipeline rank to its actions; None is a planned wait, and REDUCE_GRAD (the
         # end-of-step gradient reduction) is not a compute action on a microbatch: both left out.
         planned = {rank: [str(a) for a in actions if a is not None and a.microbatch_index is not None]
@@ -608,6 +608,9 @@ def main():
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "images",
                         help="directory for the PNGs and figures.json (default: docs/images)")
     args = parser.parse_args()
+    if torch.__version__ < (2, 10):  # the committed figures were drawn with torch 2.14
+        sys.exit(f"error: on torch {torch.__version__}, zbv cannot run on gloo (its schedule sends between a rank's "
+                 "own neighbouring stages, and gloo cannot send to its own rank): draw the figures with a later torch")
     args.out.mkdir(parents=True, exist_ok=True)
 
     records = record_in_process_group()  # first: no torch op may run in this process before the fork

@@ -56,8 +56,8 @@ def _end(line, exit_code, rank=None):
         signal.signal(number, signal.SIG_IGN)
     said, here = say(line, rank), rank is not None or os.environ.get("GROUP_RANK", "0") == "0"  # here: its speaker
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's format (message, timestamp), and what the launcher needs
-        save_json({"message": line, "timestamp": int(time.time()), "time": time.time(), "said": said, "here": here},
-                  os.environ["TORCHELASTIC_ERROR_FILE"])
+        save_json({"message": line, "timestamp": int(time.time()), "time": time.time(), "said": said, "here": here,
+                   "exit_code": exit_code}, os.environ["TORCHELASTIC_ERROR_FILE"])
     sys.exit(exit_code)
 
 

@@ -17,6 +17,8 @@ ChildFailedError traceback:
 A copied command line works as it is with the real torchrun; only these endings differ.
 """
 
+import glob
+import json
 import logging
 import math
 import os
@@ -62,14 +64,23 @@ def note(failure):  # what plumbing/hardening.run wrote in the rank's error file
     return failure.error_file_data if isinstance(failure.error_file_data.get("message"), str) else {}
 
 
+def this_attempt(failures):
+    """The notes of every rank of this node in this attempt: those torchrun stopped before it saw them fail too (when it
+    sees one rank fail, the speaker may be printing the line that very moment; torchrun waits for it to exit)."""
+    folders = {os.path.dirname(os.path.dirname(f.error_file)) for f in failures.values() if os.path.isfile(f.error_file)}
+    notes = []
+    for path in (path for folder in folders for path in glob.glob(os.path.join(folder, "*", "error.json"))):
+        with open(path) as file:
+            notes.append(json.load(file))
+    return [n for n in notes if isinstance(n.get("message"), str)]
+
+
 def ending(failures):
     """The one line (and exit code) for torchrun's failures, {global rank: ProcessFailure}."""
-    usage = {rank: failure for rank, failure in failures.items() if failure.exitcode == 2}
-    if usage:  # the ranks found the same bad input: print it unless its speaker did, or is on another node
-        notes = [note(failure) for failure in usage.values()]
-        if not any(n.get("said") for n in notes) and any(n.get("here") for n in notes):
-            rank, failure = min(usage.items())
-            print(note(failure).get("message") or f"error: rank {rank} exited with code 2", file=sys.stderr)
+    if any(failure.exitcode == 2 for failure in failures.values()):  # the ranks found the same bad input
+        notes = [n for n in this_attempt(failures) if n.get("exit_code") == 2]
+        if not any(n.get("said") for n in notes) and any(n.get("here") for n in notes):  # its speaker is here, mute
+            print(next(n["message"] for n in notes if n.get("here")), file=sys.stderr)
         return 2
     where = f" on {socket.gethostname()}"
     killed = {rank: failure for rank, failure in failures.items() if failure.exitcode < 0}

@@ -12,6 +12,8 @@ import re
 import struct
 import sys
 
+import torch
+
 from conftest import ROOT, Run, child_env
 
 IMAGES = ROOT / "docs" / "images"
@@ -29,6 +31,9 @@ def png_size(path):
 
 def test_figures_match_the_committed_ones(tmp_path):
     run = Run([sys.executable, ROOT / "docs" / "figures.py", "--out", tmp_path], env=child_env()).wait(timeout=180)
+    if torch.__version__ < (2, 10):  # zbv cannot run on gloo there: docs/figures.py refuses in one line
+        assert run.returncode == 1 and "zbv cannot run on gloo" in run.output, run.output
+        return
     assert run.returncode == 0, f"docs/figures.py failed:\n{run.output[-4000:]}"
     fresh = json.loads((tmp_path / "figures.json").read_text())
     committed = json.loads((IMAGES / "figures.json").read_text())
