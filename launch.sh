@@ -84,13 +84,14 @@ fi
 check NPROC_PER_NODE 1 999999999 "a positive integer (processes on this node)"
 # Each worker holds torch, its CUDA or CPU runtime and the data set in host memory: 0.85 GB at its peak for
 # train_ddp.py on MNIST (2 CPU processes, measured). More than fit would start, then die one by one, out of memory.
-available_mb=$(awk '/^MemAvailable:/ {print int($2 / 1024)}' /proc/meminfo 2>/dev/null || true)
+available_mb=$(awk '/^MemAvailable:/ {print int($2 / 1024)}' /proc/meminfo 2>/dev/null || true)  # Linux's
 if [ -n "$available_mb" ] && (( NPROC_PER_NODE * 850 > available_mb )); then
     echo "error: NPROC_PER_NODE=$NPROC_PER_NODE processes need about $((NPROC_PER_NODE * 850)) MB of memory (850 MB" \
         "each), but this node has $available_mb MB available: start at most $((available_mb / 850))" >&2
     exit 2
 fi
-cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc would report OMP_NUM_THREADS instead
+# nproc counts the cores this process may use (but reports OMP_NUM_THREADS when set); macOS has getconf only.
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)
 if (( NPROC_PER_NODE > cores )); then
     echo "launch.sh: warning: NPROC_PER_NODE=$NPROC_PER_NODE processes share this node's $cores cores:" \
         "each waits for the others (use at most $cores for speed)" >&2

@@ -247,4 +247,3 @@ def _fingerprint(path):  # [size in bytes, SHA-256] of a file, read in 1 MiB pie
             digest.update(piece)
             size += len(piece)
     return [size, digest.hexdigest()]
-

@@ -79,8 +79,10 @@ def ending(failures):
     """The one line (and exit code) for torchrun's failures, {global rank: ProcessFailure}."""
     if any(failure.exitcode == 2 for failure in failures.values()):  # the ranks found the same bad input
         notes = [n for n in this_attempt(failures) if n.get("exit_code") == 2]
-        if not any(n.get("said") for n in notes) and any(n.get("here") for n in notes):  # its speaker is here, mute
-            print(next(n["message"] for n in notes if n.get("here")), file=sys.stderr)
+        if not notes:  # not through plumbing/hardening.run: whatever the worker printed is above
+            print(f"error: rank {min(failures)} exited with code 2", file=sys.stderr)
+        elif not any(n.get("said") for n in notes) and any(n.get("here") for n in notes):  # the rank to say it is
+            print(next(n["message"] for n in notes if n.get("here")), file=sys.stderr)  # on this node, and did not
         return 2
     where = f" on {socket.gethostname()}"
     killed = {rank: failure for rank, failure in failures.items() if failure.exitcode < 0}

@@ -180,5 +180,8 @@ def test_a_stop_that_cannot_reach_a_stuck_rank_says_so(signals, mnist_dir):
         assert f"error: rank 1 (pid {workers[1]}) did not stop within" in run.output, run.output
         assert "s of SIGTERM: stuck in a collective, or stopped? killing it; it wrote no checkpoint" in run.output
     assert "Traceback" not in run.output and not [line for line in lines if line.startswith(("W1", "E1"))]
+    deadline = time.monotonic() + 10  # the kernel kills them as the launcher dies (PR_SET_PDEATHSIG): soon after
+    while (alive(workers[0]) or alive(workers[1])) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not alive(workers[0]) and not alive(workers[1])
 
