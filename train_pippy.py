@@ -135,7 +135,7 @@ def main():
                                   f"{num_stages} stages, but BabyCNN has only {len(model.blocks)} blocks")
         # A rank holds two neighbouring stages in the V (zbv), and in the loop placement with one pipeline rank.
         neighbours_on_one_rank = num_stages > 1 and (args.schedule == "zbv" or pipeline_ranks == 1)
-        if neighbours_on_one_rank and backend == "gloo" and torch.__version__ < (2, 10):
+        if neighbours_on_one_rank and backend == "gloo" and torch.__version__ < (2, 14):  # seen on 2.9 and 2.11
             raise core.UsageError(
                 f"on torch {torch.__version__}, --schedule {args.schedule} with two neighbouring stages on one rank "
                 "fails on gloo: its schedules send activations between a rank's own stages through the process group, "
@@ -304,13 +304,14 @@ class Stage(nn.Sequential):
             return super().forward(x)
 
 
-class Torch29PipelineStage(PipelineStage):
-    """A PipelineStage without two torch 2.9 bugs (fixed in 2.10). At the first step() or eval(), its schedules open
-    the links between stages by sending an int64 scalar into a float32 buffer: gloo aborts ("8 vs 4. Received data
-    size doesn't match expected size"; pytorch PR 165539). And an eval() before the first step() (a run resumed at an
-    epoch's end) sets the stage up without its backward, for good: that step() fails (pytorch issue 162822)."""
+class OlderPipelineStage(PipelineStage):
+    """A PipelineStage without two bugs of torch before 2.14 (seen on 2.9 and 2.11). On 2.9, at the first step() or
+    eval(), its schedules open the links between stages by sending an int64 scalar into a float32 buffer: gloo aborts
+    ("8 vs 4. Received data size doesn't match expected size"; fixed in 2.10, pytorch PR 165539). And an eval() before
+    the first step() (a run resumed at an epoch's end) sets the stage up without its backward, for good: that step()
+    fails (pytorch issue 162822)."""
 
-    # Both override private methods of torch 2.9's stage.
+    # Both override private methods of those releases' stage.
     def _get_init_p2p_neighbors_ops(self):
         ops = super()._get_init_p2p_neighbors_ops()
         for op in ops:
@@ -326,8 +327,8 @@ class Torch29PipelineStage(PipelineStage):
         return outputs
 
 
-# On 2.9 only: later releases need neither workaround, and may change the private methods they override.
-PIPELINE_STAGE = PipelineStage if torch.__version__ >= (2, 10) else Torch29PipelineStage
+# Before 2.14 only: 2.14 needs neither workaround, and later releases may change the private methods they override.
+PIPELINE_STAGE = PipelineStage if torch.__version__ >= (2, 14) else OlderPipelineStage
 
 
 def check_microbatches(args, num_stages, pipeline_ranks):
