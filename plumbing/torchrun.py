@@ -50,13 +50,15 @@ class Endings(logging.Filter):
 
     def filter(self, record):
         text = str(record.msg)
-        if text.startswith("Sending process"):  # a stop: the workers it signals, to name a stuck one later
-            stopping[record.args[0]] = (rank_of(record.args[0]), time.monotonic())
-        if text.startswith("Unable to shutdown process"):  # waited its shutdown timeout in vain (30 s by default)
-            rank, since = stopping.get(record.args[0], ("?", time.monotonic()))
-            print(f"error: rank {rank} (pid {record.args[0]}) did not stop within {time.monotonic() - since:.0f} s "
-                  f"of {record.args[1].name}: stuck in a collective, or stopped? killing it; it wrote no checkpoint",
-                  file=sys.stderr, flush=True)
+        if text.startswith(("Sending process", "Unable to shutdown process")) and record.args:
+            pid, signal_name = record.args[0], getattr(record.args[1], "name", record.args[1])
+            if text.startswith("Sending"):  # a stop: the workers it signals, to name a stuck one later
+                stopping[pid] = (rank_of(pid), time.monotonic())
+            else:  # waited its shutdown timeout in vain (30 s by default)
+                rank, since = stopping.get(pid, ("?", time.monotonic()))
+                print(f"error: rank {rank} (pid {pid}) did not stop within {time.monotonic() - since:.0f} s of "
+                      f"{signal_name}: stuck in a collective, or stopped? killing it; it wrote no checkpoint",
+                      file=sys.stderr, flush=True)
         return not text.startswith(("failed (exitcode", "Sending process", "Unable to shutdown", "Received"))
 
 
@@ -70,9 +72,12 @@ def this_attempt(failures):
     folders = {os.path.dirname(os.path.dirname(f.error_file)) for f in failures.values() if os.path.isfile(f.error_file)}
     notes = []
     for path in (path for folder in folders for path in glob.glob(os.path.join(folder, "*", "error.json"))):
-        with open(path) as file:
-            notes.append(json.load(file))
-    return [n for n in notes if isinstance(n.get("message"), str)]
+        try:
+            with open(path) as file:
+                notes.append(json.load(file))
+        except (OSError, ValueError):  # not written by plumbing/hardening.run (its writes are atomic)
+            pass
+    return [n for n in notes if isinstance(n, dict) and isinstance(n.get("message"), str)]
 
 
 def ending(failures):

@@ -126,9 +126,9 @@ def test_a_bad_input_is_one_line_on_every_attempt_torchrun_makes_and_without_it(
 
 
 def test_help_prints_once_and_a_missing_script_is_one_line():
-    run = Run(["bash", ROOT / "run_fsdp.sh", "--help"], env=child_env()).wait()
+    run = Run(["bash", ROOT / "run_fsdp.sh", "--help"], env=launcher_env()).wait()
     assert run.returncode == 0 and run.output.count("usage: train_fsdp.py") == 1, run.output
-    run = Run(["bash", ROOT / "launch.sh", "train_nope.py"], env=child_env()).wait()
+    run = Run(["bash", ROOT / "launch.sh", "train_nope.py"], env=launcher_env()).wait()
     assert run.returncode == 2 and run.output.splitlines() == [
         f"error: no training script {ROOT}/train_nope.py: use run_ddp.sh, run_fsdp.sh or run_pippy.sh "
         "(or bash launch.sh train_ddp.py|train_fsdp.py|train_pippy.py)"], run.output
