@@ -126,7 +126,7 @@ class Checkpointer:
             problem[0] = (f"checkpoint step-{step} was not written to {self.directory} ({why}): the ones saved "
                           "before it are intact; fix that, and the same command resumes from them")
             shutil.rmtree(temporary, ignore_errors=True)
-        dist.broadcast_object_list(problem, src=0)  # nobody exits or saves again before rank 0 has the checkpoint in place
+        dist.broadcast_object_list(problem, src=0)  # nobody exits or saves again before rank 0 is done
         if problem[0]:
             raise UsageError(problem[0])
 

@@ -33,7 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.run import parse_args, run  # not main(): its @record would log the failure once more
 
-stopping = {}  # pid: (rank, when) of the workers torchrun was stopping when a signal came
+stopping = {}  # pid: (rank, when) of each worker torchrun sent a signal to stop it (a stop, or a failed peer)
 received = []  # the stop signals this launch received
 
 
@@ -69,7 +69,8 @@ def note(failure):  # what plumbing/hardening.run wrote in the rank's error file
 def this_attempt(failures):
     """The notes of every rank of this node in this attempt: those torchrun stopped before it saw them fail too (when it
     sees one rank fail, the speaker may be printing the line that very moment; torchrun waits for it to exit)."""
-    folders = {os.path.dirname(os.path.dirname(f.error_file)) for f in failures.values() if os.path.isfile(f.error_file)}
+    folders = {os.path.dirname(os.path.dirname(failure.error_file)) for failure in failures.values()
+               if os.path.isfile(failure.error_file)}
     notes = []
     for path in (path for folder in folders for path in glob.glob(os.path.join(folder, "*", "error.json"))):
         try:
@@ -90,7 +91,9 @@ def ending(failures):
             print(next(n["message"] for n in notes if n.get("here")), file=sys.stderr)  # on this node, and did not
         return 2
     where = f" on {socket.gethostname()}"
-    killed = {rank: failure for rank, failure in failures.items() if failure.exitcode < 0}
+    # Killed by a signal, not one torchrun sent itself on seeing another rank fail (it may list those too).
+    killed = {rank: failure for rank, failure in failures.items()
+              if failure.exitcode < 0 and failure.pid not in stopping}
     if killed:  # the others failed because it had gone: their errors say only that
         rank, failure = min(killed.items())
         why = ": out of memory? the kernel's log (dmesg) says" if failure.signal_name() == "SIGKILL" else ""
