@@ -11,9 +11,10 @@ Through the wrapper: `bash run_ddp.sh [flags]`; for two nodes, on each node,
 What DDP changes compared with one process:
   setup  every process joins a process group (NCCL on GPUs, gloo on CPUs)
   data   DistributedSampler hands each rank a disjoint shard of each epoch's shuffled order
-  wrap   DDP(model) broadcasts rank 0's weights, then all-reduces gradients during backward
+  wrap   DDP(model) broadcasts rank 0's weights, then all-reduces gradients during backward (on one
+         process there is nothing to average: the plain model trains alone, without DDP's per-step cost)
   loop   no_sync() skips that all-reduce on all but the last micro-step of gradient accumulation
-  save   only rank 0 writes, from model.module (the plain model inside the wrapper)
+  save   only rank 0 writes the plain model's weights (the wrapper's .module)
 Every collective is called here, or in a call marked "collective" (every rank must make it).
 """
 
@@ -75,12 +76,20 @@ def main():
         model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device=device,
                         dtype=dtype)
         param_count = sum(p.numel() for p in model.parameters())
-        if args.compile:  # each block in place, so its class and parameter names stay (torchtitan compiles per block)
-            for block in model.blocks:
-                block.compile()
+        if args.compile:  # the whole model in place (names stay); on a GPU, CUDA graphs: a step's kernels in one launch
+            model.compile(mode="reduce-overhead" if device.type == "cuda" else None)
+        # A CUDA graph's next replay reuses its outputs' memory, so gradients summed over micro-steps need buffers
+        # of their own, zeroed each step instead of freed.
+        keep_grads = args.compile and device.type == "cuda" and args.grad_accum > 1
+        for p in model.parameters() if keep_grads else ():
+            p.grad = torch.zeros_like(p)
 
         # ---- wrap: DDP keeps a full replica here and averages gradients across ranks ----
-        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)  # broadcasts rank 0's weights
+        # One process has nothing to average: the plain model trains alone (benchmarks/bare_loop.py --ddp measures
+        # what DDP's hooks would cost it). DDP broadcasts rank 0's weights; gradients become views of its buckets.
+        ddp_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
+                        gradient_as_bucket_view=True) if world_size > 1 else model
+        no_sync = ddp_model.no_sync if world_size > 1 else nullcontext
         peak_lr, lr_at = core.lr_schedule(args, global_batch_size, total_steps)
         optimizer = core.make_optimizer(args, model.parameters())
 
@@ -88,7 +97,7 @@ def main():
         checkpointer = hardening.Checkpointer(args, dataset.name, global_batch_size, device)
         resumed = checkpointer.start(model, optimizer, peak_lr, log)  # collective: checks outputs, resumes
         log(
-            f"DDP on {world_size} rank(s) ({backend}, {device.type}): "
+            f"{f'DDP on {world_size} rank(s)' if world_size > 1 else 'one process, no DDP wrapper'} ({backend}, {device.type}): "
             f"batch {args.batch_size} per rank x grad-accum {args.grad_accum} x {world_size} ranks = global batch "
             f"{global_batch_size}; peak lr {peak_lr:g}; "
             f"{param_count:,} parameters; {args.precision}; {dataset.name}; {total_steps} steps"
@@ -108,15 +117,15 @@ def main():
             first = first_step_in_epoch if epoch == first_epoch else 0
             last = min(steps_per_epoch, first + total_steps - progress.step)
             for step_in_epoch in range(first, last):
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=not keep_grads)
                 for micro_step in range(args.grad_accum):
                     begin = (step_in_epoch * args.grad_accum + micro_step) * args.batch_size
                     images, labels = dataset.train.batch(order[begin : begin + args.batch_size])
                     # no_sync: keep gradients local; the last micro-step's backward all-reduces their sum
                     last_micro_step = micro_step == args.grad_accum - 1
-                    with nullcontext() if last_micro_step else model.no_sync():
+                    with nullcontext() if last_micro_step else no_sync():
                         with autocast:
-                            loss = F.cross_entropy(model(images), labels)
+                            loss = F.cross_entropy(ddp_model(images), labels)
                         (loss / args.grad_accum).backward()  # the step's gradient is the mean over micro-steps
                     window_loss += loss.detach()
                     window_count += 1
@@ -153,9 +162,9 @@ def main():
                 f"test loss {test_loss:.4f}, test accuracy {test_accuracy:.2%}"
             )
 
-        # ---- save: rank 0 writes the plain model's weights (model.module: no "module." prefix) ----
+        # ---- save: rank 0 writes the plain model's weights (not the wrapper's: no "module." prefix) ----
         if args.save and rank == 0:
-            core.save_state_dict(model.module.state_dict(), args.save)
+            core.save_state_dict(model.state_dict(), args.save)
             log(f"saved the weights to {args.save}")
         if args.metrics:  # every rank sends what it holds to rank 0, which writes the summary
             ranks = [None] * world_size

@@ -109,6 +109,7 @@ def main():
         if args.compile:  # each block in place, so its class and parameter names stay (torchtitan compiles per block)
             for block in model.blocks:
                 block.compile()
+            log("--compile: each block, without CUDA graphs (FSDP frees and re-gathers weights each step; a graph cannot)")
 
         # ---- wrap: shard each block (one all-gather unit each), then the root ----
         fsdp_options = dict(

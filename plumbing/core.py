@@ -69,7 +69,8 @@ def parser(description, *more):  # the flags all three scripts share, then those
         help="auto: the GPU cuda:LOCAL_RANK when CUDA is available (NCCL), else the CPU (gloo)")
     add("--precision", choices=("fp32", "bf16", "fp64"), default="fp32",
         help="bf16: autocast the forward pass to bfloat16; fp64: the whole model in float64 (slow; for the tests)")
-    add("--compile", action="store_true", help="torch.compile each of BabyCNN's blocks in place, before wrapping")
+    add("--compile", action="store_true", help="torch.compile before wrapping: train_ddp.py the whole model (CUDA "
+        "graphs on a GPU), train_fsdp.py each block")
     add("--width", type=number(int, 1), default=1, help="BabyCNN channel multiplier (parameters grow with its square)")
     add("--seed", type=int, default=0, help="same initial weights and data order on every rank")
     add("--log-every", type=number(int, 1), default=20, help="optimizer steps between all-reduced loss readings")

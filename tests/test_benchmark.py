@@ -43,6 +43,18 @@ def test_quick_benchmark_reports_every_figure(tmp_path):
     assert run.output.count("| 5. pipeline") == 2 and "[1/" in run.output  # the table, and a progress line per run
 
 
+def test_host_overhead_reports_the_cost_of_a_step_and_of_the_start(tmp_path):
+    run = Run([sys.executable, ROOT / "benchmarks" / "host_overhead.py", "--steps", "200", "--repeats", "1",
+               "--out", tmp_path]).wait(timeout=600)
+    assert run.returncode == 0, run.output[-3000:]
+    results = json.loads((tmp_path / "host_overhead.json").read_text())
+    figures = [results[k] for k in ("bare_loop", "bare_loop_ddp", "train_ddp", "import_torch_seconds", "first_step_seconds")]
+    assert all(math.isfinite(v) and v > 0 for v in figures), figures
+    assert results["first_step_seconds"] > results["import_torch_seconds"]  # the script imports torch, then more
+    assert list(tmp_path.glob(".host_overhead*")) == []  # its scratch metrics file went with it
+    assert "| train_ddp.py, one process |" in run.output
+
+
 def test_figure_6_alone_without_a_gpu_is_one_line(tmp_path):
     run = Run([sys.executable, COMPARE, "--only", "gpu", "--out", tmp_path]).wait()  # child_env hides any GPU
     assert run.returncode == 2

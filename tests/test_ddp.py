@@ -49,6 +49,19 @@ def test_gradient_accumulation_matches_one_process_at_twice_the_batch(reference,
     assert_same_math(load_weights(path), reference, control)
 
 
+@pytest.mark.parametrize("processes", [1, 2])
+def test_the_compiled_model_does_the_same_math(processes, reference, control, mnist_dir, tmp_path):
+    """--compile: the whole model compiled (on one process, alone; on two, inside DDP, whose graph dynamo splits at
+    the gradient buckets). On a CPU there are no CUDA graphs; the math is what is checked: the same weights."""
+    path = tmp_path / "compiled.pt"
+    run = torchrun("train_ddp.py", 2, *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "16", "--compile",
+                   "--save", path) if processes == 2 else \
+        python("train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "32", "--compile", "--save", path)
+    succeeded(run)
+    assert ("DDP on 2 rank(s)" if processes == 2 else "one process, no DDP wrapper") in run.output
+    assert_same_math(load_weights(path), reference, control)
+
+
 def two_nodes(tmp_path, mnist_dir, with_data, *args, **extra_env):
     """Start run_ddp.sh as two "nodes" of one process each, each in its own directory, reading
     --data-dir data there (no shared filesystem): node k gets a copy of the MNIST files if with_data[k]."""

@@ -63,10 +63,16 @@ def test_a_gpu_run_does_the_same_math_as_the_cpu_reference(reference, control, m
     assert_same_math(load_weights(path), reference, control)
 
 
-@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp.py"])
-def test_compiled_blocks_do_the_same_math_as_eager_ones(script, reference, control, mnist_dir, tmp_path):
+# train_ddp.py --compile on one GPU: CUDA graphs (mode="reduce-overhead"), and with --grad-accum 2 the gradient buffers
+# the graphs cannot reuse; on RANKS GPUs, inside DDP. train_fsdp.py compiles each block, without CUDA graphs.
+@pytest.mark.parametrize("script, processes, accumulate", [("train_ddp.py", 1, 1), ("train_ddp.py", 1, 2),
+                                                           ("train_ddp.py", RANKS, 1), ("train_fsdp.py", RANKS, 1)],
+                         ids=["ddp-1", "ddp-1-accumulate", "ddp", "fsdp"])
+def test_compiled_runs_do_the_same_math_as_eager_ones(script, processes, accumulate, reference, control, mnist_dir,
+                                                      tmp_path):
     path = tmp_path / "compiled.pt"
-    succeeded(torchrun(script, RANKS, *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", str(32 // RANKS),
+    succeeded(torchrun(script, processes, *mnist_args(mnist_dir), *EQUIVALENCE,
+                       "--batch-size", str(32 // processes // accumulate), "--grad-accum", str(accumulate),
                        "--device", "cuda", "--compile", "--save", path, env=gpu_env()))
     assert_same_math(load_weights(path), reference, control)
 
