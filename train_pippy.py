@@ -73,7 +73,7 @@ def main():
     timeout = timedelta(minutes=10)  # a collective that waits longer than this fails instead of hanging
     if "RANK" in os.environ:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
-    else:  # plain `python train_pippy.py`: a group of one, so every line below runs unchanged
+    else:  # plain `python train_pippy.py`: a group of one, so every collective below runs unchanged
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     rank, world_size = dist.get_rank(), dist.get_world_size()  # rank decides who logs and writes files
     try:

@@ -1,0 +1,192 @@
+"""The exercises of the DDP, FSDP and pipeline pages: every command runs, every stated answer holds.
+
+The format, strict so that it can be read here. A page's exercises are the `### ` subsections of its
+`## Exercises` section. Each one has, in this order:
+
+- one ```bash block of commands, one per line (a trailing backslash continues a line): either
+  `NPROC_PER_NODE=N bash run_*.sh FLAGS` or `python train_*.py FLAGS`, each with `--metrics NAME.json`.
+  NAME.json names the run: the same name on any page must be the same command, and is run once here;
+- the question, in prose;
+- `<details><summary>Answer</summary>`, the answer in prose, then one or more checks, each an HTML
+  comment of its own (hidden on GitHub), then `</details>`:
+
+    <!-- check: RUN prints "TEXT" -->          RUN's output has TEXT (the launcher's own `launch.sh:` line aside)
+    <!-- check: RUN exits N -->                RUN ended with exit code N
+    <!-- check: RUN KEY == VALUE -->           in RUN's metrics file, KEY equals VALUE (JSON)
+    <!-- check: RUN KEY ~ RUN2 KEY2 within T -->    the numbers at KEY and KEY2 differ by at most T
+    <!-- check: RUN KEY !~ RUN2 KEY2 beyond T -->   ... by more than T somewhere (the negative control)
+
+  RUN is a run's NAME.json. KEY is a dotted path into the metrics JSON; `*` takes every element of a
+  list (`ranks.*.state_bytes`, `loss_curve.*.1`: the loss column). The answer's prose must state
+  each exact value (a number as printed or with thousands separators, a printed TEXT in full), so a
+  reader sees what the test checks; an exercise with a `~` check must have a `!~` check whose
+  tolerance is at least 100 times larger, so the tolerance is shown to sit far below a real difference.
+
+The commands also parse with the scripts' own parsers (tests/test_docs.py).
+"""
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, python, run_sh
+
+PAGES = [ROOT / "docs" / name for name in ("ddp.md", "fsdp.md", "pipeline.md")]
+CHECK = re.compile(r"<!-- check: (.*?) -->")
+FORMS = [
+    ("prints", re.compile(r'(?P<run>\S+\.json) prints "(?P<text>[^"]+)"$')),
+    ("exits", re.compile(r"(?P<run>\S+\.json) exits (?P<code>\d+)$")),
+    ("equals", re.compile(r"(?P<run>\S+\.json) (?P<key>\S+) == (?P<value>.+)$")),
+    ("near", re.compile(r"(?P<run>\S+\.json) (?P<key>\S+) ~ (?P<other>\S+\.json) (?P<other_key>\S+) within (?P<tol>\S+)$")),
+    ("far", re.compile(r"(?P<run>\S+\.json) (?P<key>\S+) !~ (?P<other>\S+\.json) (?P<other_key>\S+) beyond (?P<tol>\S+)$")),
+]
+
+
+def parse_check(text):
+    for kind, form in FORMS:
+        match = form.match(text.strip())
+        if match:
+            return kind, match.groupdict()
+    raise AssertionError(f"a check this test cannot read: <!-- check: {text} -->")
+
+
+def exercises(page):
+    """[(title, [command words], question, visible answer, [(kind, fields)])] of the page's Exercises section."""
+    text = page.read_text()
+    match = re.search(r"^## Exercises\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, f"{page.name} has no ## Exercises section"
+    found = []
+    for part in re.split(r"^### ", match.group(1), flags=re.M)[1:]:
+        title = part.splitlines()[0]
+        shape = re.fullmatch(r".*?\n```bash\n(?P<commands>.*?)\n```\n(?P<question>.*?)"
+                             r"<details><summary>Answer</summary>\n(?P<answer>.*?)</details>\s*", part, re.S)
+        assert shape, f"{page.name}, exercise {title!r}: not a bash block, a question, then a folded answer"
+        lines = shape["commands"].replace("\\\n", " ").splitlines()
+        commands = [shlex.split(line) for line in lines if line.strip()]
+        checks = [parse_check(check) for check in CHECK.findall(shape["answer"])]
+        visible = CHECK.sub("", shape["answer"])
+        found.append((title, commands, shape["question"].strip(), visible, checks))
+    return found
+
+
+def run_name(words):
+    assert "--metrics" in words, f"{' '.join(words)}: an exercise's command names its run with --metrics NAME.json"
+    return words[words.index("--metrics") + 1]
+
+
+def all_commands():
+    """{NAME.json: the command's words}, over every page; the same name is the same command everywhere."""
+    named = {}
+    for page in PAGES:
+        for title, commands, *_ in exercises(page):
+            for words in commands:
+                name = run_name(words)
+                assert named.setdefault(name, words) == words, f"{name} names two different commands"
+    return named
+
+
+def numbers(value):
+    """Every number in a JSON value, in order."""
+    if isinstance(value, list):
+        return [n for item in value for n in numbers(item)]
+    assert isinstance(value, (int, float)) and not isinstance(value, bool), value
+    return [value]
+
+
+def states(number, visible):
+    return str(number) in visible or (isinstance(number, int) and f"{number:,}" in visible)
+
+
+def test_every_page_has_three_exercises_in_the_format():
+    runs = all_commands()
+    for page in PAGES:
+        found = exercises(page)
+        assert len(found) >= 3, f"{page.name}: {len(found)} exercises"
+        for title, commands, question, visible, checks in found:
+            where = f"{page.name}, exercise {title!r}"
+            assert commands and question and checks, where
+            for words in commands:
+                assert (words[0].startswith("NPROC_PER_NODE=") and words[1:2] == ["bash"]) or words[0] == "python", \
+                    f"{where}: {' '.join(words)}"
+            for kind, fields in checks:
+                assert fields["run"] in runs and fields.get("other", fields["run"]) in runs, f"{where}: {fields}"
+                if kind == "prints":
+                    assert fields["text"] in visible, f"{where}: the answer does not state {fields['text']!r}"
+                if kind == "equals":
+                    missing = [n for n in numbers(json.loads(fields["value"])) if not states(n, visible)]
+                    assert not missing, f"{where}: the answer does not state {missing}"
+            near = [float(fields["tol"]) for kind, fields in checks if kind == "near"]
+            far = [float(fields["tol"]) for kind, fields in checks if kind == "far"]
+            assert not near or (far and min(far) >= 100 * max(near)), f"{where}: a tolerance needs a negative control"
+
+
+class Runs:
+    """Each named run, launched the first time a check needs it and kept for the others (this file's tests)."""
+
+    def __init__(self, directory):
+        self.directory, self.commands, self.done = directory, all_commands(), {}
+
+    def __getitem__(self, name):
+        if name not in self.done:
+            words = list(self.commands[name])
+            args = words[words.index("bash") + 2:] if words[0] != "python" else words[2:]
+            args[args.index("--metrics") + 1] = str(self.directory / name)
+            if words[0] == "python":
+                run = python(words[1], *args)
+            else:
+                script = Path(words[words.index("bash") + 1]).name.replace("run_", "train_").replace(".sh", ".py")
+                run = run_sh(script, int(words[0].split("=", 1)[1]), *args)
+            run.wait()
+            path = self.directory / name
+            metrics = json.loads(path.read_text()) if path.exists() else None
+            output = "\n".join(line for line in run.output.splitlines() if not line.startswith("launch.sh:"))
+            self.done[name] = (run.returncode, output, metrics)
+        return self.done[name]
+
+    def value(self, name, key):
+        returncode, output, metrics = self[name]
+        assert returncode == 0 and metrics is not None, f"{name}: exit code {returncode}\n{output[-3000:]}"
+        values = [metrics]
+        for part in key.split("."):
+            if part == "*":
+                values = [item for value in values for item in value]
+            else:
+                values = [value[int(part)] if isinstance(value, list) else value[part] for value in values]
+        return values if "*" in key.split(".") else values[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return Runs(tmp_path_factory.mktemp("exercises"))
+
+
+def all_exercises():
+    return [pytest.param(page, index, id=f"{page.stem}-{index + 1}")
+            for page in PAGES for index in range(len(exercises(page)))]
+
+
+@pytest.mark.parametrize("page, index", all_exercises())
+def test_the_exercise_answers_are_what_the_runs_give(runs, page, index):
+    title, commands, question, visible, checks = exercises(page)[index]
+    for kind, fields in checks:
+        where = f"{page.name}, exercise {title!r}: {kind} {fields}"
+        if kind in ("prints", "exits"):
+            returncode, output, _ = runs[fields["run"]]
+            if kind == "prints":
+                assert fields["text"] in output, f"{where}\n{output[-3000:]}"
+            else:
+                assert returncode == int(fields["code"]), f"{where}: exit code {returncode}\n{output[-3000:]}"
+        elif kind == "equals":
+            assert runs.value(fields["run"], fields["key"]) == json.loads(fields["value"]), where
+        else:
+            mine = numbers(runs.value(fields["run"], fields["key"]))
+            other = numbers(runs.value(fields["other"], fields["other_key"]))
+            assert len(mine) == len(other) > 0, where
+            apart = max(abs(a - b) for a, b in zip(mine, other))
+            if kind == "near":
+                assert apart <= float(fields["tol"]), f"{where}: {apart:.3g} apart"
+            else:
+                assert apart > float(fields["tol"]), f"{where}: only {apart:.3g} apart"
