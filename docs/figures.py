@@ -4,13 +4,13 @@
     python docs/figures.py --out DIR    # writes the same files into DIR instead (tests/test_figures.py does)
 
 Nothing in a picture is typed in by hand: four gloo processes on this machine (a few seconds, CPU only) run the
-real code the training scripts run, and the pictures draw what they recorded.
+real code the training scripts run, and the pictures draw what they recorded. (When things happen during a step,
+the pipeline schedules included, is drawn from measured runs by docs/timelines.py.)
 
-  pipeline_schedules.png  every schedule train_pippy.py's --schedule offers, on 2 pipeline ranks and 4
-                          microbatches: the order of actions each rank ran during one real schedule.step()
   fsdp_shards.png         which rows of each BabyCNN parameter each rank holds after fully_shard, on a 1-D
                           mesh of 4 ranks (--sharding full) and a 2 x 2 (replicate, shard) mesh (--sharding hybrid)
-  sampler.png             the sample indices DistributedSampler hands each rank in one epoch
+  sampler.png             the sample indices DistributedSampler hands each rank in one epoch, with drop_last=True
+                          (as the scripts set it) and with drop_last=False (the default: it pads by repeating)
   ring_allreduce.png      ring all-reduce on 4 ranks, simulated here step by step; the script checks that the
                           simulation's result equals a real dist.all_reduce before drawing it
   device_mesh.png         how init_device_mesh lays train_pippy.py's (pp, dp) and train_fsdp.py's
@@ -25,105 +25,41 @@ versions, the data does not. When a change to the code or to torch changes a pic
 import argparse
 import itertools
 import json
-import re
 import sys
 import tempfile
-from contextlib import nullcontext
+from fractions import Fraction
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch, Rectangle
+from matplotlib.patches import Rectangle
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage
 from torch.utils.data.distributed import DistributedSampler
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from models import BabyCNN  # noqa: E402
-from train_pippy import SCHEDULES, Stage  # noqa: E402  the --schedule names and their classes, as the script maps them
 
 WORLD = 4  # gloo processes: 2 pipeline ranks x 2 replicas, 4 FSDP shards, 2 nodes x 2 processes, 4 ring ranks
-PIPELINE_RANKS, MICROBATCHES = 2, 4
-SAMPLES, SAMPLER_WORLDS = 18, (2, 4)  # 18 is not a multiple of 4: drop_last has something to drop
+PIPELINE_RANKS = 2  # train_pippy.py --data-parallel 2 on 4 processes
+SAMPLES = 18  # not a multiple of 4: drop_last=True has something to drop, drop_last=False something to pad
+SAMPLER_PANELS = ((2, True), (4, True), (4, False))  # (ranks, drop_last)
 DPI = 100
 RANK_COLOURS = ["#4477aa", "#ee6677", "#228833", "#ccbb44"]  # Paul Tol's colour-blind-safe set
-STAGE_COLOURS = ["#4477aa", "#ee7733", "#228833", "#aa3377"]
 IDLE = "#eeeeee"
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Part 1: what the four gloo processes record. Everything that needs a real process group happens here.
 # ---------------------------------------------------------------------------------------------------------------
-
-def record_actions(stage, log):
-    """Log every compute call the schedule makes on ``stage``, in torch's own notation: 2F0 is stage 2's forward
-    of microbatch 0, B a full backward, I the input-gradient half of a split backward, W the weight-gradient half."""
-    forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
-
-    def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
-        log.append(f"{stage.stage_index}F{fwd_chunk_id}")
-        return forward(fwd_chunk_id, *args, **kwargs)
-
-    def backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        log.append(f"{stage.stage_index}{'B' if full_backward else 'I'}{bwd_chunk_id}")
-        return backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
-
-    def backward_weight_one_chunk(bwd_chunk_id, last_backward=False):
-        log.append(f"{stage.stage_index}W{bwd_chunk_id}")
-        return weight(bwd_chunk_id, last_backward=last_backward)
-
-    stage.forward_one_chunk = forward_one_chunk
-    stage.backward_one_chunk = backward_one_chunk
-    stage.backward_weight_one_chunk = backward_weight_one_chunk
-
-
-def run_schedules(mesh):
-    """One training step of every schedule in train_pippy.py's SCHEDULES, built as train_pippy.py builds it.
-
-    Returns {name: (actions this rank ran, in order; the schedule's own pipeline_order, compute actions only)}.
-    Why run a step rather than only read ``schedule.pipeline_order``: for the single-stage schedules (gpipe,
-    1f1b) that attribute is a description beside the code that really runs (_step_microbatches), and on torch
-    2.14 1f1b's description of the last rank is wrong. What ran is what the picture should show."""
-    pp_group, pp_rank = mesh.get_group("pp"), mesh.get_local_rank("pp")
-    generator = torch.Generator().manual_seed(0)
-    images = torch.randn(MICROBATCHES, 1, 28, 28, generator=generator)  # one sample per microbatch
-    labels = torch.randint(0, 10, (MICROBATCHES,), generator=generator)
-    results = {}
-    for name, (schedule_class, stages_kind) in SCHEDULES.items():
-        stages_per_rank = 1 if stages_kind == "one" else 2  # train_pippy.py's default --stages-per-rank
-        num_stages = PIPELINE_RANKS * stages_per_rank
-        # The same placement as train_pippy.py: loop (stage s on rank s % ranks), or a V for zbv.
-        if name == "zbv":
-            stage_indices = [pp_rank, 2 * PIPELINE_RANKS - 1 - pp_rank]
-        else:
-            stage_indices = [pp_rank + k * PIPELINE_RANKS for k in range(stages_per_rank)]
-        model = BabyCNN()
-        stage_blocks = model.stage_blocks(num_stages)
-        log, stages = [], []
-        for stage_index in stage_indices:
-            stage_model = Stage([model.blocks[block] for block in stage_blocks[stage_index]], nullcontext())  # fp32
-            stages.append(PipelineStage(stage_model, stage_index, num_stages, torch.device("cpu"), group=pp_group))
-            record_actions(stages[-1], log)
-        schedule = schedule_class(stages[0] if stages_kind == "one" else stages, n_microbatches=MICROBATCHES,
-                                  loss_fn=F.cross_entropy, scale_grads=False)
-        schedule.step(*([images] if 0 in stage_indices else []), target=labels)  # only the first stage takes inputs
-        # pipeline_order maps every pipeline rank to its actions; None is a planned wait, and REDUCE_GRAD (the
-        # end-of-step gradient reduction) is not a compute action on a microbatch: both left out.
-        planned = {rank: [str(a) for a in actions if a is not None and a.microbatch_index is not None]
-                   for rank, actions in (schedule.pipeline_order or {}).items()}
-        results[name] = (log, planned)
-    return results
-
 
 def shard_rows(mesh, rank):
     """fully_shard BabyCNN as train_fsdp.py does (each block, then the root), then find out which rows of each
@@ -167,8 +103,6 @@ def worker(rank, world, init_file, result_file):
         reduced = ring_inputs(world)[rank].clone()
         dist.all_reduce(reduced)  # the real thing the ring picture must agree with (gloo picks its own algorithm)
         mine = dict(
-            # The pictured pipeline is replica 0's (dp = 0); the other replica's ranks need not run it too.
-            schedules=run_schedules(pp_mesh) if pp_mesh.get_local_rank("dp") == 0 else {},
             full=shard_rows(full_mesh, rank),
             hybrid=shard_rows(hybrid_mesh, rank),
             meshes={label: dict(names=list(mesh.mesh_dim_names), shape=list(mesh.mesh.shape),
@@ -202,69 +136,6 @@ def record_in_process_group():
 # Part 2: turn the records into the data each picture draws (this is what figures.json holds).
 # ---------------------------------------------------------------------------------------------------------------
 
-ACTION = re.compile(r"(\d+)([FBIW])(\d+)")
-
-
-def place_on_clock(orders, num_stages):
-    """Lay each rank's actions on a clock, one unit per action, transfers free: an action starts as soon as its
-    rank has finished the one before and the actions it needs, on any rank, have finished. Returns per rank a
-    list of time slots holding an action or None (waiting: the pipeline's bubble)."""
-    finished = {}  # (what, stage, microbatch) -> time it finished; "grad" = an input gradient exists (B or I)
-
-    def needs(action):
-        stage, kind, microbatch = ACTION.fullmatch(action).groups()
-        stage, microbatch = int(stage), int(microbatch)
-        if kind == "F":  # the previous stage's activations
-            return [("F", stage - 1, microbatch)] if stage > 0 else []
-        if kind in "BI":  # own forward, and the gradient of the next stage's input (the loss, on the last stage)
-            return [("F", stage, microbatch)] + ([("grad", stage + 1, microbatch)] if stage < num_stages - 1 else [])
-        return [("grad", stage, microbatch)]  # W: after this stage's I
-
-    def produces(action):
-        stage, kind, microbatch = ACTION.fullmatch(action).groups()
-        return ("F" if kind == "F" else "grad" if kind in "BI" else "W", int(stage), int(microbatch))
-
-    slots, next_action, clock = [[] for _ in orders], [0] * len(orders), 0
-    while any(position < len(order) for position, order in zip(next_action, orders)):
-        for rank, order in enumerate(orders):
-            action = order[next_action[rank]] if next_action[rank] < len(order) else None
-            ready = action is not None and all(finished.get(need, clock + 1) <= clock for need in needs(action))
-            slots[rank].append(action if ready else None)
-            next_action[rank] += ready
-        started = [slot[clock] for slot in slots if slot[clock] is not None]
-        if not started:
-            raise RuntimeError(f"the recorded actions deadlock at time {clock}: {orders}")
-        for action in started:  # finished at the end of this unit: what needs it starts at the next one
-            finished[produces(action)] = clock + 1
-        clock += 1
-    return slots
-
-
-def pipeline_data(records):
-    schedules = {}
-    for name, (schedule_class, stages_kind) in SCHEDULES.items():
-        ran = [records[rank]["schedules"][name][0] for rank in pipeline_ranks(records)]
-        planned = records[0]["schedules"][name][1]
-        planned = [planned.get(str(rank), []) for rank in range(PIPELINE_RANKS)]
-        num_stages = PIPELINE_RANKS * (1 if stages_kind == "one" else 2)
-        schedules[name] = dict(
-            schedule_class=schedule_class.__name__,
-            stages=[sorted({int(ACTION.fullmatch(a).group(1)) for a in order}) for order in ran],
-            ran=ran,
-            pipeline_order=planned,
-            pipeline_order_agrees=planned == ran,
-            timeline=place_on_clock(ran, num_stages),
-        )
-    return dict(png="pipeline_schedules.png", pipeline_ranks=PIPELINE_RANKS, microbatches=MICROBATCHES,
-                schedules=schedules)
-
-
-def pipeline_ranks(records):
-    """The global ranks of pipeline replica 0 (dp = 0), in pipeline order: they ran the pictured pipeline."""
-    replica_0 = [r for r in range(len(records)) if records[r]["meshes"]["pipeline"]["coordinate"][1] == 0]
-    return sorted(replica_0, key=lambda r: records[r]["meshes"]["pipeline"]["coordinate"][0])
-
-
 def fsdp_data(records):
     layouts = {}
     for label, title in (("full", "--sharding full: fully_shard on a 1-D mesh of 4 ranks"),
@@ -280,18 +151,22 @@ def fsdp_data(records):
 
 
 def sampler_data():
-    """What DistributedSampler gives each rank, with the scripts' settings (shuffle, seed 0, drop_last)."""
+    """What DistributedSampler gives each rank (shuffle, seed 0): with drop_last=True, as the scripts set it, on 2 and
+    4 ranks, and with drop_last=False, its default, on 4 ranks, where 18 samples do not divide by 4."""
     # One replica gets the whole shuffled order: the permutation every rank computes from the seed and epoch.
     order = list(DistributedSampler(range(SAMPLES), num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True))
-    worlds = {}
-    for world in SAMPLER_WORLDS:
+    panels = []
+    for world, drop_last in SAMPLER_PANELS:
         ranks = [list(DistributedSampler(range(SAMPLES), num_replicas=world, rank=rank, shuffle=True, seed=0,
-                                         drop_last=True)) for rank in range(world)]
-        kept = world * (SAMPLES // world)
-        if any(ranks[rank] != order[rank:kept:world] for rank in range(world)):  # what the picture says
-            raise AssertionError(f"rank r does not get positions r, r+{world}, ... of {order}: {ranks}")
-        worlds[str(world)] = dict(ranks=ranks, kept_positions=kept, dropped=order[kept:])
-    return dict(png="sampler.png", samples=SAMPLES, seed=0, epoch=0, order=order, worlds=worlds)
+                                         drop_last=drop_last)) for rank in range(world)]
+        per_rank = SAMPLES // world if drop_last else -(-SAMPLES // world)
+        # drop_last=False pads the order to per_rank x world by repeating its first indices.
+        dealt = order[:per_rank * world] if drop_last else order + order[:per_rank * world - SAMPLES]
+        if any(ranks[rank] != dealt[rank::world] for rank in range(world)):  # what the picture says
+            raise AssertionError(f"rank r does not get positions r, r+{world}, ... of {dealt}: {ranks}")
+        panels.append(dict(world_size=world, drop_last=drop_last, ranks=ranks, per_rank=per_rank,
+                           dropped=order[len(dealt):], repeated=dealt[SAMPLES:]))
+    return dict(png="sampler.png", samples=SAMPLES, seed=0, epoch=0, order=order, panels=panels)
 
 
 def ring_data(records):
@@ -299,13 +174,14 @@ def ring_data(records):
 
     Each tensor is cut into one chunk per rank. Reduce-scatter: in step s rank r sends chunk (r - s) mod N to
     rank r + 1, which adds it to its own copy; after N - 1 steps rank r holds the whole sum of chunk (r + 1) mod N.
-    All-gather: the finished chunks go round the ring the same way, overwriting. Every rank sends 2 (N - 1) / N
-    of the tensor in all, whatever N is: why NCCL rings scale."""
+    All-gather: the finished chunks go round the ring the same way, overwriting. The simulation counts what each
+    rank sends: 2 (N - 1) chunks of 1/N of the tensor, 2 (N - 1) / N of it, which nears 2 but never reaches it as N
+    grows, in 2 (N - 1) steps that each pay the link's latency once."""
     world = len(records)
     inputs = ring_inputs(world)
     chunks = [list(tensor.chunk(world)) for tensor in inputs]  # chunks[rank][c]: rank's current copy of chunk c
     holders = [[[rank] for _ in range(world)] for rank in range(world)]  # whose inputs are summed in that copy
-    steps = []
+    steps, sent = [], [0] * world  # sent[rank]: elements that rank has sent
     for phase in ("reduce-scatter", "all-gather"):
         for step in range(world - 1):
             first = -step if phase == "reduce-scatter" else 1 - step
@@ -315,6 +191,7 @@ def ring_data(records):
             outgoing = [(s, chunks[s["src"]][s["chunk"]].clone(), list(holders[s["src"]][s["chunk"]])) for s in sends]
             for send, tensor, summed in outgoing:  # all sends of a step happen at once
                 dst, chunk = send["dst"], send["chunk"]
+                sent[send["src"]] += tensor.numel()
                 if phase == "reduce-scatter":
                     chunks[dst][chunk] = chunks[dst][chunk] + tensor
                     holders[dst][chunk] = sorted(holders[dst][chunk] + summed)
@@ -326,8 +203,12 @@ def ring_data(records):
     # The picture must not show wrong math: the simulation, the real collective and the plain sum agree exactly.
     if not (result == real == [expected] * world):
         raise AssertionError(f"ring simulation {result} != dist.all_reduce {real} or the sum {expected}")
+    share = [Fraction(elements, inputs[0].numel()) for elements in sent]
+    if share != [Fraction(2 * (world - 1), world)] * world or len(steps) != 2 * (world - 1):  # what the caption says
+        raise AssertionError(f"each rank sends {share} of its tensor in {len(steps)} steps, not 2(W-1)/W in 2(W-1)")
     return dict(png="ring_allreduce.png", world_size=world, inputs=[t.tolist() for t in inputs], steps=steps,
-                final=[[list(h) for h in held] for held in holders], result=result, all_reduce=real)
+                final=[[list(h) for h in held] for held in holders], result=result, all_reduce=real,
+                sent_share=[[f.numerator, f.denominator] for f in share])
 
 
 def mesh_data(records):
@@ -378,55 +259,6 @@ def save(fig, path):
     fig.savefig(path, dpi=DPI, metadata={"Software": None})
 
 
-def draw_pipeline(data, path):
-    schedules = data["schedules"]
-    horizon = max(len(slots) for s in schedules.values() for slots in s["timeline"])
-    fig, axes = figure((14, 1.45 * len(schedules) + 2.0), len(schedules), 1, sharex=True)
-    for ax, (name, s) in zip(axes, schedules.items()):
-        length = max(len(slots) for slots in s["timeline"])
-        for rank, slots in enumerate(s["timeline"]):
-            for t in range(length):
-                action = slots[t] if t < len(slots) else None
-                if action is None:  # waiting for another rank: the bubble
-                    ax.add_patch(Rectangle((t + 0.04, rank - 0.38), 0.92, 0.76, facecolor=IDLE, edgecolor="none"))
-                    continue
-                stage, kind, microbatch = ACTION.fullmatch(action).groups()
-                colour = STAGE_COLOURS[int(stage)]
-                face = colour if kind == "F" else lighter(colour, 0.45 if kind in "BI" else 0.75)
-                ax.add_patch(Rectangle((t + 0.04, rank - 0.38), 0.92, 0.76, facecolor=face, edgecolor=colour,
-                                       hatch="///" if kind == "W" else None, linewidth=1))
-                ax.text(t + 0.5, rank, f"{kind}{microbatch}", ha="center", va="center", fontsize=8.5,
-                        color=ink(face), fontweight="bold")
-        idle = [sum(a is None for a in slots) + length - len(slots) for slots in s["timeline"]]
-        per_rank = len(s["stages"][0])
-        note = "" if s["pipeline_order_agrees"] else \
-            "   (its pipeline_order attribute lists other actions for a rank; drawn is what step() ran)"
-        ax.set_title(f"{name}: {s['schedule_class']}, {per_rank} stage{'s' if per_rank > 1 else ''} per rank — "
-                     f"{length} units, idle units per rank {idle}{note}", loc="left", fontsize=10)
-        ax.set_yticks(range(len(s["timeline"])),
-                      [f"rank {r}\nstage{'s' if len(st) > 1 else ''} {', '.join(map(str, st))}"
-                       for r, st in enumerate(s["stages"])], fontsize=8.5)
-        ax.set_ylim(len(s["timeline"]) - 0.5, -0.5)  # rank 0 on top
-        for side in ("top", "right", "left"):
-            ax.spines[side].set_visible(False)
-        ax.tick_params(axis="y", length=0)
-    axes[-1].set_xlim(0, horizon)
-    axes[-1].set_xticks(range(0, horizon + 1, 2))
-    axes[-1].set_xlabel("time in units: one unit = one action (F, B, I or W of one microbatch on one stage), "
-                        "not measured time; sends and receives count as free")
-    handles = [Patch(facecolor=c, label=f"stage {i}") for i, c in enumerate(STAGE_COLOURS)]
-    handles += [Patch(facecolor=IDLE, label="idle: waiting for another rank (the bubble)")]
-    fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=9, frameon=False, bbox_to_anchor=(0.5, 0.0))
-    frame(fig, f"Pipeline schedules on {data['pipeline_ranks']} ranks, {data['microbatches']} microbatches "
-          "(train_pippy.py --schedule NAME): one unit = one action, not measured time",
-          "Each rank's actions in the order one real schedule.step() ran them, laid on a clock of one unit per "
-          "action: an action starts once its inputs exist.\nF forward (dark), B full backward (light), "
-          "I input-gradient half of a backward (light), W weight-gradient half (hatched); "
-          "the number is the microbatch, the colour the stage.",
-          top=1.2, bottom=0.85, left=0.85, right=0.15, hspace=0.6)
-    save(fig, path)
-
-
 def draw_fsdp(data, path):
     layouts = data["layouts"]
     fig, axes = figure((16, 7.6), 1, len(layouts), sharey=True)
@@ -472,48 +304,63 @@ def draw_fsdp(data, path):
     save(fig, path)
 
 
-def sampler_cell(ax, x, y, label, face):
-    ax.add_patch(Rectangle((x + 0.05, y - 0.4), 0.9, 0.8, facecolor=face, edgecolor="none"))
+def sampler_cell(ax, x, y, label, face, repeated=False):
+    """A sample in one position; a repeated one (drop_last=False's padding) pale, with a dashed border."""
+    face = lighter(face, 0.55) if repeated else face
+    ax.add_patch(Rectangle((x + 0.05, y - 0.4), 0.9, 0.8, facecolor=face, edgecolor="black" if repeated else "none",
+                           linestyle="--", linewidth=1.2))
     ax.text(x + 0.5, y, str(label), ha="center", va="center", fontsize=9,
             color="#888888" if face == IDLE else ink(face))
 
 
 def draw_sampler(data, path):
-    worlds = data["worlds"]
+    panels = data["panels"]
     n = data["samples"]
-    fig, axes = figure((13, 0.55 * sum(2 + int(w) for w in worlds) + 1.5), len(worlds), 1,
-                       height_ratios=[1 + int(w) for w in worlds])
-    for ax, (world, w) in zip(axes, worlds.items()):
-        world = int(world)
-        for position, sample in enumerate(data["order"]):
-            sampler_cell(ax, position, 0, sample,
-                         RANK_COLOURS[position % world] if position < w["kept_positions"] else IDLE)
-        for rank, samples in enumerate(w["ranks"]):
+    fig, axes = figure((13, 0.55 * sum(2 + p["world_size"] for p in panels) + 1.5), len(panels), 1,
+                       height_ratios=[1 + p["world_size"] for p in panels])
+    for ax, p in zip(axes, panels):
+        world = p["world_size"]
+        dealt = data["order"] + p["repeated"]  # the positions the ranks are dealt from
+        for position, sample in enumerate(dealt):
+            face = RANK_COLOURS[position % world] if position < p["per_rank"] * world else IDLE
+            sampler_cell(ax, position, 0, sample, face, repeated=position >= n)
+        for rank, samples in enumerate(p["ranks"]):
             for k, sample in enumerate(samples):
-                sampler_cell(ax, rank + k * world, rank + 1, sample, RANK_COLOURS[rank])
-            ax.text(n + 0.3, rank + 1, f"= {samples}", va="center", fontsize=9)
+                sampler_cell(ax, rank + k * world, rank + 1, sample, RANK_COLOURS[rank],
+                             repeated=rank + k * world >= n)
+            ax.text(len(dealt) + 0.3, rank + 1, f"= {samples}", va="center", fontsize=9)
         ax.set_yticks(range(world + 1), ["epoch order"] + [f"rank {r}" for r in range(world)], fontsize=9)
-        ax.set_xticks([p + 0.5 for p in range(n)], range(n), fontsize=8)
-        ax.set_xlim(0, n + 6)
+        ax.set_xticks([q + 0.5 for q in range(len(dealt))], range(len(dealt)), fontsize=8)
+        ax.set_xlim(0, n + 8)
         ax.set_ylim(world + 0.6, -0.6)
         ax.tick_params(length=0)
         for side in ax.spines.values():
             side.set_visible(False)
-        dropped = f"; positions {w['kept_positions']}–{n - 1} dropped (drop_last)" if w["dropped"] else \
-            " (nothing to drop)"
-        ax.set_title(f"{world} replicas: rank r gets positions r, r+{world}, r+{2 * world}, ... of the order, "
-                     f"{n // world} samples each{dropped}", loc="left", fontsize=10)
+        if p["dropped"]:
+            rest = f"positions {n - len(p['dropped'])}–{n - 1} dropped (grey)"
+        elif p["repeated"]:
+            rest = (f"padded to {len(dealt)} by repeating the first {len(p['repeated'])} indices (dashed): "
+                    f"samples {' and '.join(map(str, p['repeated']))} are seen twice this epoch")
+        else:
+            rest = f"{n} divides by {world}: nothing dropped or added"
+        ax.set_title(f"{world} ranks, drop_last={p['drop_last']}: {p['per_rank']} samples each; {rest}",
+                     loc="left", fontsize=10)
     axes[-1].set_xlabel("position in the epoch's shuffled order (the numbers in the cells are sample indices)")
-    frame(fig, f"DistributedSampler over {n} samples (shuffle=True, seed={data['seed']}, drop_last=True, "
-          f"epoch {data['epoch']}): each rank's share",
+    frame(fig, f"DistributedSampler over {n} samples (shuffle=True, seed={data['seed']}, epoch {data['epoch']}): "
+          "each rank's share",
           "Every rank draws the same permutation from seed + epoch (set_epoch changes it each epoch) and takes "
-          "every W-th entry, so the shares are disjoint. Grey: positions no rank gets.",
-          top=0.95, bottom=0.55, left=1.0, right=0.1, hspace=0.3)
+          "every W-th entry from position r, so every rank gets the same count.\nWhen W does not divide the "
+          "samples, drop_last=True (the scripts' setting) leaves the last positions to no rank; drop_last=False "
+          "(the default) pads the order with its\nfirst indices instead, so a few samples count twice.",
+          top=1.25, bottom=0.55, left=1.0, right=0.1, hspace=0.35)
     save(fig, path)
 
 
 def draw_ring(data, path):
     world = data["world_size"]
+    steps = len(data["steps"])
+    numerator, denominator = data["sent_share"][0]
+    share = f"{numerator}/{denominator} = {numerator / denominator:g}"
     rows = data["steps"] + [dict(phase="result", step=0, sends=[], before=data["final"])]
     fig, ax = figure((14, 0.95 * len(rows) + 1.5))
     colours = colormaps["Blues"]
@@ -547,9 +394,11 @@ def draw_ring(data, path):
           f"steps, then {world - 1} all-gather steps",
           "A cell lists the ranks whose inputs that rank's copy of the chunk sums so far. Each row is the state "
           "before its step; the outlined chunk is the one the rank sends to the next rank on the ring.\n"
-          f"Every rank sends 2 x {world - 1}/{world} of its tensor in all, whatever the number of ranks. "
+          f"Every rank sends {steps} chunks of 1/{world}: {share} of its tensor, 2(W−1)/W, which nears 2 as W grows; "
+          f"and the {steps} = 2(W−1) steps each pay the link's latency α, so n bytes cost about "
+          "2(W−1)·α + 2(W−1)/W·n·β\n(β: seconds per byte), a latency term that grows with W. "
           f"Checked against a real dist.all_reduce (gloo): {data['result'][0]} on every rank.",
-          top=1.05, bottom=0.1, left=0.1, right=0.1)
+          top=1.25, bottom=0.1, left=0.1, right=0.1)
     save(fig, path)
 
 
@@ -608,16 +457,13 @@ def main():
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "images",
                         help="directory for the PNGs and figures.json (default: docs/images)")
     args = parser.parse_args()
-    if torch.__version__ < (2, 14):  # the committed figures were drawn with torch 2.14; zbv fails on 2.9 and 2.11
-        sys.exit(f"error: on torch {torch.__version__}, zbv cannot run on gloo (its schedule sends between a rank's "
-                 "own neighbouring stages, and gloo cannot send to its own rank): draw the figures with a later torch")
     args.out.mkdir(parents=True, exist_ok=True)
 
     records = record_in_process_group()  # first: no torch op may run in this process before the fork
     torch.set_num_threads(1)
-    figures = dict(pipeline_schedules=pipeline_data(records), fsdp_shards=fsdp_data(records),
+    figures = dict(fsdp_shards=fsdp_data(records),
                    sampler=sampler_data(), ring_allreduce=ring_data(records), device_mesh=mesh_data(records))
-    drawers = dict(pipeline_schedules=draw_pipeline, fsdp_shards=draw_fsdp, sampler=draw_sampler,
+    drawers = dict(fsdp_shards=draw_fsdp, sampler=draw_sampler,
                    ring_allreduce=draw_ring, device_mesh=draw_mesh)
     for key, data in figures.items():
         drawers[key](data, args.out / data["png"])

@@ -54,9 +54,13 @@ def test_the_compiled_model_does_the_same_math(processes, reference, control, mn
     """--compile: the whole model compiled (on one process, alone; on two, inside DDP, whose graph dynamo splits at
     the gradient buckets). On a CPU there are no CUDA graphs; the math is what is checked: the same weights."""
     path = tmp_path / "compiled.pt"
+    # A cache of its own: torch 2.14's inductor cache, filled under one ATEN_CPU_CAPABILITY, segfaults when read
+    # under another (seen with avx2 after AVX-512 runs on one machine).
+    env = child_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     run = torchrun("train_ddp.py", 2, *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "16", "--compile",
-                   "--save", path) if processes == 2 else \
-        python("train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "32", "--compile", "--save", path)
+                   "--save", path, env=env) if processes == 2 else \
+        python("train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "32", "--compile", "--save", path,
+               env=env)
     succeeded(run)
     assert ("DDP on 2 rank(s)" if processes == 2 else "one process, no DDP wrapper") in run.output
     assert_same_math(load_weights(path), reference, control)
