@@ -369,7 +369,8 @@ def fsdp_label(name):
 def fsdp_events(step):
     """(label, start, end) of the compute and the collectives of one rank's step, from FSDP's ranges:
     a block's forward runs from the end of its FSDP::pre_forward to the start of its FSDP::post_forward, its
-    backward from the end of its FSDP::pre_backward to the start of its FSDP::post_backward_accumulate."""
+    backward from the end of its FSDP::pre_backward to the start of its FSDP::post_backward_accumulate (torch
+    2.15 has no such range: there, to the start of its FSDP::post_backward_reshard, which comes first)."""
     ranges = step["ranges"]
 
     def find(name):
@@ -380,8 +381,8 @@ def fsdp_events(step):
         block = f"blocks.{i}"
         events.append((f"forward {block}", find(f"FSDP::pre_forward ({block})")[1],
                        find(f"FSDP::post_forward ({block})")[0]))
-        events.append((f"backward {block}", find(f"FSDP::pre_backward ({block})")[1],
-                       find(f"FSDP::post_backward_accumulate ({block})")[0]))
+        backward_end = find(f"FSDP::post_backward_accumulate ({block})") or find(f"FSDP::post_backward_reshard ({block})")
+        events.append((f"backward {block}", find(f"FSDP::pre_backward ({block})")[1], backward_end[0]))
     events += [(fsdp_label(n), s, e) for n, s, e in ranges if fsdp_label(n)]
     events.append(("optimizer step", *find("optimizer step")))
     return sorted(events, key=lambda e: (e[1], e[2])), find("step"), find("forward")
