@@ -228,6 +228,13 @@ def assert_same_math(weights, reference, control):
     assert relative_difference(weights, reference) < TOLERANCE
 
 
+def our_lines(output):
+    """The lines of a launch's output the project printed: not launch.sh's torchrun command, nor torch 2.9's gloo
+    start-up lines ("[Gloo] Rank N is connected ..."), which two ranks write a piece at a time, so that theirs can
+    interleave into one line that starts with "[Gloo] Rank" and an empty one."""
+    return [line for line in output.splitlines() if line and not line.startswith(("launch.sh: torchrun", "[Gloo] Rank"))]
+
+
 def assert_one_line_error(run, message):
     """A bad-input run: exit code 2, one `error:` line (from rank 0), the last, and no traceback or torchrun log line
     (torch 2.9's gloo prints "[Gloo] Rank N is connected ..." lines at start-up: those are not ours)."""

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import (
-    ROOT, Run, _write_idx, assert_one_line_error, child_env, launcher_env, mnist_args, python, run_sh,
+    ROOT, Run, _write_idx, assert_one_line_error, child_env, launcher_env, mnist_args, our_lines, python, run_sh,
 )
 from models.data import synthetic_digits
 
@@ -120,7 +120,7 @@ def test_a_bad_input_is_one_line_on_every_attempt_torchrun_makes_and_without_it(
     assert_one_line_error(alone, "is more than the 60000 samples each of the 1 ranks gets")
     run = restarted.wait()
     assert run.returncode == 2, run.output
-    lines = [line for line in run.output.splitlines() if not line.startswith(("launch.sh: torchrun ", "[Gloo] Rank"))]
+    lines = our_lines(run.output)
     assert lines == [f"error: {message} from synthetic; make it smaller",
                      f"error: {message} from synthetic; make it smaller (torchrun restart 1)"], run.output
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import (
-    ROOT, Run, alive, assert_one_line_error, free_port, launcher_env, mnist_args, succeeded, worker_pids,
+    ROOT, Run, alive, assert_one_line_error, free_port, launcher_env, mnist_args, our_lines, succeeded, worker_pids,
 )
 
 
@@ -132,7 +132,7 @@ def test_a_failing_worker_is_said_once_in_its_own_words(case, tmp_path):
     rank_1, expected, exit_code = ENDINGS[case]
     (tmp_path / "worker.py").write_text(WORKER.format(rank_1=rank_1))
     run = Run(["bash", ROOT / "launch.sh", tmp_path / "worker.py"], env=launcher_env(NPROC_PER_NODE=2)).wait(timeout=90)
-    lines = [line for line in run.output.splitlines() if not line.startswith(("launch.sh: torchrun", "[Gloo] Rank"))]
+    lines = our_lines(run.output)
     pid = lines[-1].split("(pid ")[1].split(")")[0] if "(pid " in lines[-1] else "?"
     said = [line.format(pid=pid, host=socket.gethostname()) for line in expected]
     assert run.returncode == exit_code and lines[-1] == said[-1], run.output
