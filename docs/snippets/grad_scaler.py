@@ -7,7 +7,6 @@ purpose, far too high: the first backwards overflow float16, each such step is s
 halved, until the scaled gradients fit. Rank 0 prints each step's record as one JSON line per rank.
 """
 
-import gc
 import json
 import os
 
@@ -53,11 +52,12 @@ def main():
     if rank == 0:
         for entry in ranks:
             print(json.dumps(entry), flush=True)
+    # Wait here until every rank is done: torch keeps a DDP's gloo group (and its worker threads) alive past
+    # destroy_process_group, and a thread still letting go of the last collective's tensors as the interpreter
+    # shuts down aborts the process ("terminate called without an active exception"); waiting gives it the time.
+    dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    # DDP's reference cycles keep gloo's threads alive: collected now, not at interpreter shutdown, where gloo aborts
-    # ("terminate called without an active exception")
-    gc.collect()

@@ -9,7 +9,6 @@ rank gets the weights of the last rank to finish. With --no-join, rank 1's last 
 partner. Rank 0 prints what each rank did as one JSON line.
 """
 
-import gc
 import json
 import sys
 from contextlib import nullcontext
@@ -57,11 +56,12 @@ def main():
     dist.all_gather_object(ranks, {"rank": rank, "steps": steps, "weights": weights})
     if rank == 0:
         print(json.dumps(ranks), flush=True)
+    # Wait here until every rank is done: torch keeps a DDP's gloo group (and its worker threads) alive past
+    # destroy_process_group, and a thread still letting go of the last collective's tensors as the interpreter
+    # shuts down aborts the process ("terminate called without an active exception"); waiting gives it the time.
+    dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    # DDP's reference cycles keep gloo's threads alive: collected now, not at interpreter shutdown, where gloo aborts
-    # ("terminate called without an active exception")
-    gc.collect()
