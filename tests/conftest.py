@@ -228,17 +228,22 @@ def assert_same_math(weights, reference, control):
     assert relative_difference(weights, reference) < TOLERANCE
 
 
+GLOO_START_UP = re.compile(r"\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :")
+
+
 def our_lines(output):
     """The lines of a launch's output the project printed: not launch.sh's torchrun command, nor torch 2.9's gloo
-    start-up lines ("[Gloo] Rank N is connected ..."), which two ranks write a piece at a time, so that theirs can
-    interleave into one line that starts with "[Gloo] Rank" and an empty one."""
-    return [line for line in output.splitlines() if line and not line.startswith(("launch.sh: torchrun", "[Gloo] Rank"))]
+    start-up lines ("[Gloo] Rank N is connected to N peer ranks. Expected number of connected peer ranks is : N"),
+    which each rank writes a piece at a time, so that two ranks' pieces interleave anywhere: its words go, and then
+    the lines left with nothing but numbers."""
+    lines = GLOO_START_UP.sub("", output).splitlines()
+    return [line for line in lines if line.strip(" 0123456789") and not line.startswith("launch.sh: torchrun")]
 
 
 def assert_one_line_error(run, message):
     """A bad-input run: exit code 2, one `error:` line (from rank 0), the last, and no traceback or torchrun log line
-    (torch 2.9's gloo prints "[Gloo] Rank N is connected ..." lines at start-up: those are not ours)."""
-    lines = run.output.splitlines()
+    (torch 2.9's gloo start-up lines are not ours, and a rank's may come after another's error line: our_lines)."""
+    lines = our_lines(run.output)
     errors = [line for line in lines if line.startswith("error:")]
     assert run.returncode == 2 and len(errors) == 1 and lines[-1] == errors[0], run.output
     assert message in errors[0], errors[0]
