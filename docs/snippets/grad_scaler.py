@@ -7,10 +7,12 @@ purpose, far too high: the first backwards overflow float16, each such step is s
 halved, until the scaled gradients fit. Rank 0 prints each step's record as one JSON line per rank.
 """
 
+import gc
 import json
 import os
 
 import torch
+import torch._dynamo  # noqa: F401  before the group: DDP imports it, and imported later it keeps the group alive
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
@@ -52,10 +54,11 @@ def main():
     if rank == 0:
         for entry in ranks:
             print(json.dumps(entry), flush=True)
-    # Wait here until every rank is done: torch keeps a DDP's gloo group (and its worker threads) alive past
-    # destroy_process_group, and a thread still letting go of the last collective's tensors as the interpreter
-    # shuts down aborts the process ("terminate called without an active exception"); waiting gives it the time.
-    dist.barrier()
+    # DDP holds the group (and its reference cycles wait for a collection): with it gone, destroy_process_group ends
+    # gloo's worker threads here. One still running at interpreter shutdown can abort the process ("terminate called
+    # without an active exception") as it lets go of the last collective's tensors.
+    del model
+    gc.collect()
     dist.destroy_process_group()
 
 

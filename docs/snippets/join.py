@@ -9,12 +9,14 @@ rank gets the weights of the last rank to finish. With --no-join, rank 1's last 
 partner. Rank 0 prints what each rank did as one JSON line.
 """
 
+import gc
 import json
 import sys
 from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
+import torch._dynamo  # noqa: F401  before the group: DDP imports it, and imported later it keeps the group alive
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
@@ -56,10 +58,11 @@ def main():
     dist.all_gather_object(ranks, {"rank": rank, "steps": steps, "weights": weights})
     if rank == 0:
         print(json.dumps(ranks), flush=True)
-    # Wait here until every rank is done: torch keeps a DDP's gloo group (and its worker threads) alive past
-    # destroy_process_group, and a thread still letting go of the last collective's tensors as the interpreter
-    # shuts down aborts the process ("terminate called without an active exception"); waiting gives it the time.
-    dist.barrier()
+    # DDP holds the group (and its reference cycles wait for a collection): with it gone, destroy_process_group ends
+    # gloo's worker threads here. One still running at interpreter shutdown can abort the process ("terminate called
+    # without an active exception") as it lets go of the last collective's tensors.
+    del model
+    gc.collect()
     dist.destroy_process_group()
 
 
