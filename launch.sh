@@ -102,9 +102,6 @@ fi
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
-# A fresh store for each restart: with torchrun's shared store, restarted workers can read the dead
-# ones' addresses and fail to connect (pytorch issue 135712; seen here with gloo on torch 2.14).
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 # torchrun would set 1 thread per process with a warning; use the cores this node really has instead.
 if [ -z "${OMP_NUM_THREADS:-}" ]; then

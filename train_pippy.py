@@ -241,10 +241,12 @@ def main():
                     agreed = torch.tensor(stop.received, device=device)
                     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
                     stop_signal = int(agreed)
-                if args.checkpoint_dir and (stop_signal or progress.step % args.checkpoint_every == 0):
+                # Also at the last step: a job requeued after it finished finds nothing left to train.
+                last_step = progress.step == total_steps
+                if args.checkpoint_dir and (stop_signal or last_step or progress.step % args.checkpoint_every == 0):
                     position = {"epoch": epoch, "samples_into_epoch": (step_in_epoch + 1) * global_batch_size}
                     checkpointer.save(progress.step, position, model, optimizer, peak_lr)  # collective: all ranks
-                if stop_signal and progress.step < total_steps:  # at the last step it just finishes
+                if stop_signal and not last_step:  # at the last step it just finishes
                     stop.stop(stop_signal, progress.step, total_steps, args.checkpoint_dir)  # exits
 
             # ---- evaluate: each replica scores a slice of the test set; the sums are all-reduced ----

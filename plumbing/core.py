@@ -76,7 +76,8 @@ def parser(description, *more):  # the flags all three scripts share, then those
     add("--log-every", type=number(int, 1), default=20, help="optimizer steps between all-reduced loss readings")
     add("--no-eval", action="store_true", help="skip the test-set evaluation after each epoch (for measurements)")
     add("--checkpoint-dir", metavar="DIR", help="save checkpoints here, and resume from the newest one found there")
-    add("--checkpoint-every", type=number(int, 1), default=100, help="optimizer steps between checkpoints")
+    add("--checkpoint-every", type=number(int, 1), default=100,
+        help="optimizer steps between checkpoints (and one at the last step)")
     add("--keep-checkpoints", type=number(int, 1), default=2, help="how many of the newest checkpoints to keep")
     add("--save", metavar="PATH", help="write the final weights as a plain state dict (rank 0)")
     add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")

@@ -4,7 +4,8 @@ ChildFailedError traceback:
 
   a bad input     the workers stopped with exit code 2 and rank 0 printed one `error:` line; if torchrun stopped
                   it before it could (another rank failed first), that line comes from the failed rank's error
-                  file (plumbing/hardening.run writes it) and is printed here, by rank 0's node. Exit code 2.
+                  file (plumbing/hardening.run writes it) and is printed here, by rank 0's node. Exit code 2, and
+                  no restart: the same input would fail the same way (MAX_RESTARTS is for crashes).
   a crash         the first failed rank's traceback, once, from its error file (the ranks that failed after it,
                   because a peer had gone, are left out), then a line naming the rank. Exit code 1.
   a killed rank   one line: which rank, which signal (SIGKILL: often the kernel's out-of-memory killer). Exit 1.
@@ -12,29 +13,47 @@ ChildFailedError traceback:
                   passed on to the workers, which say where they stopped; exit code 128 + the signal's number.
                   A rank that does not stop within torchrun's shutdown timeout (30 s) is named in one line before
                   it is killed; a second signal ends the launch at once, naming the ranks that had not stopped.
+                  During start-up (torch still importing, no training yet) it is one line here instead of each
+                  process's KeyboardInterrupt traceback; after the last step, the run finishes and exits 0.
   no rendezvous   not all nodes joined within the join timeout: the line launch.sh passes as argument 1. Exit 2.
 
+It also gives each rendezvous round a store of its own, on a port it holds from the start (below).
 A copied command line works as it is with the real torchrun; only these endings differ.
 """
 
-import glob
-import json
-import logging
-import math
 import os
 import signal
-import socket
 import sys
-import time
 
-import torch.distributed.elastic.multiprocessing.api as elastic_api
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
-from torch.distributed.run import parse_args, run  # not main(): its @record would log the failure once more
 
-stopping = {}  # pid: (rank, when) of each worker torchrun sent a signal to stop it (a stop, or a failed peer)
+def stopped_during_start_up(number, frame):  # until torch is imported and torchrun's own handlers are set
+    print(f"stopped by {signal.Signals(number).name} during start-up: nothing was trained or saved",
+          file=sys.stderr, flush=True)
+    os._exit(128 + number)  # not sys.exit: raised inside an import, importlib may swallow it; no worker exists yet
+
+
+for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+    signal.signal(number, stopped_during_start_up)
+
+import glob  # noqa: E402  (the handlers above come first: importing torch takes seconds)
+import json  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import socket  # noqa: E402
+import time  # noqa: E402
+
+import torch.distributed.elastic.multiprocessing.api as elastic_api  # noqa: E402
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent  # noqa: E402
+from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler  # noqa: E402
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError  # noqa: E402
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler  # noqa: E402
+from torch.distributed.run import parse_args, run  # noqa: E402  (not main(): its @record would log the failure again)
+
+stopping = {}  # pid: (rank, when, training) of each worker torchrun signalled to stop (a stop, or a failed peer)
 received = []  # the stop signals this launch received
+exit_codes = {}  # pid: exit code of each worker torchrun stopped, once it has
 
 
 def rank_of(pid):
@@ -45,6 +64,15 @@ def rank_of(pid):
         return "?"
 
 
+def catches(pid, number):  # whether the process handles this signal itself (Linux: its SigCgt mask)
+    try:
+        with open(f"/proc/{pid}/status") as file:
+            mask = next(line for line in file if line.startswith("SigCgt:")).split()[1]
+        return bool(int(mask, 16) >> (number - 1) & 1)
+    except (OSError, StopIteration):
+        return True  # cannot tell (not Linux): pass the signal on as it is
+
+
 class Endings(logging.Filter):
     """torchrun's log lines about a failure or a stop, which the one line at the end says better."""
 
@@ -53,9 +81,10 @@ class Endings(logging.Filter):
         if text.startswith(("Sending process", "Unable to shutdown process")) and record.args:
             pid, signal_name = record.args[0], getattr(record.args[1], "name", record.args[1])
             if text.startswith("Sending"):  # a stop: the workers it signals, to name a stuck one later
-                stopping[pid] = (rank_of(pid), time.monotonic())
+                training = catches(pid, signal.SIGUSR1)  # StopSignals is set: the rank will say where it stopped
+                stopping[pid] = (rank_of(pid), time.monotonic(), training)
             else:  # waited its shutdown timeout in vain (30 s by default)
-                rank, since = stopping.get(pid, ("?", time.monotonic()))
+                rank, since, _ = stopping.get(pid, ("?", time.monotonic(), False))
                 print(f"error: rank {rank} (pid {pid}) did not stop within {time.monotonic() - since:.0f} s of "
                       f"{signal_name}: stuck in a collective, or stopped? killing it; it wrote no checkpoint",
                       file=sys.stderr, flush=True)
@@ -114,12 +143,44 @@ def on_signal(number, frame):
     would send it on and wait its whole shutdown timeout again. The workers die with this process (PR_SET_PDEATHSIG)."""
     name = signal.Signals(number).name
     if received:
-        stuck = ", ".join(f"rank {rank} (pid {pid})" for pid, (rank, _) in stopping.items() if alive(pid))
+        stuck = ", ".join(f"rank {rank} (pid {pid})" for pid, (rank, *_) in stopping.items() if alive(pid))
         print(f"{name} again: ending now" + (f", without waiting for {stuck} to stop" if stuck else ""),
               file=sys.stderr, flush=True)
         os._exit(128 + number)
     received.append(number)
     raise SignalException(f"Process {os.getpid()} got signal: {name}", sigval=signal.Signals(number))
+
+
+def close(handler, death_sig=None, close=SubprocessHandler.close):
+    """torchrun passes a stop signal on to each worker's process group. A worker still starting (importing torch, before
+    the script's StopSignals) would print a KeyboardInterrupt traceback for SIGINT: it gets SIGTERM, which ends it
+    quietly, and main() says the one line."""
+    if death_sig == signal.SIGINT and not catches(handler.proc.pid, signal.SIGUSR1):
+        death_sig = signal.SIGTERM
+    close(handler, death_sig)
+
+
+def close_workers(context, death_sig, timeout=30, close=elastic_api.SubprocessContext._close):
+    close(context, death_sig, timeout)  # returns once every worker has exited (or was killed)
+    exit_codes.update({h.proc.pid: h.proc.returncode for h in context.subprocess_handlers.values()})
+
+
+def monitor(agent, worker_group, monitor=LocalElasticAgent._monitor_workers):
+    """torchrun's check of its workers; a bad input (exit code 2) is not retried: it would fail the same way."""
+    result = monitor(agent, worker_group)
+    if result.is_failed() and any(failure.exitcode == 2 for failure in result.failures.values()):
+        agent._remaining_restarts = 0
+    return result
+
+
+def next_rendezvous(handler, next_rendezvous=DynamicRendezvousHandler.next_rendezvous):
+    """Each round (the first, and each restart's) gets a fresh store for the workers, which torchrun opens on a port the
+    system picks (0) and holds: nothing can take it between choosing it and binding it, as when the workers' rank 0 binds
+    a port chosen earlier (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; launches started together raced for one). torchrun's
+    own shared store is made once and kept across restarts, where the dead workers' keys break the new ones' start
+    (pytorch issue 135712)."""
+    handler._bootstrap_store_info = handler._shared_tcp_store_server = None
+    return next_rendezvous(handler)
 
 
 def main():
@@ -128,17 +189,31 @@ def main():
     for name in ("multiprocessing.api", "agent.server.api"):
         logging.getLogger(f"torch.distributed.elastic.{name}").addFilter(Endings())
     elastic_api._terminate_process_handler = on_signal  # what torchrun installs when it starts the workers
+    SubprocessHandler.close, elastic_api.SubprocessContext._close = close, close_workers
+    LocalElasticAgent._monitor_workers, DynamicRendezvousHandler.next_rendezvous = monitor, next_rendezvous
     for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
         signal.signal(number, on_signal)
     try:
         run(parse_args(sys.argv[1:]))
     except SignalException as stop:
-        sys.exit(128 + int(stop.sigval))
+        sys.exit(stopped(stop.sigval))
     except ChildFailedError as failed:
         sys.exit(ending(failed.failures))
     except RendezvousTimeoutError:
         print(timeout_error, file=sys.stderr)
         sys.exit(2)
+
+
+def stopped(number):
+    """The exit code of a launch stopped by a signal: 0 if every worker had finished (it came after the last step, and
+    a requeued job would find nothing to do), else 128 + its number, with one line if no worker was training yet."""
+    name = signal.Signals(number).name
+    if exit_codes and all(code == 0 for code in exit_codes.values()):
+        print(f"{name} came after the last step: the run had finished, and is complete", file=sys.stderr)
+        return 0
+    if not any(training for *_, training in stopping.values()):  # nobody to say where it stopped
+        print(f"stopped by {name} during start-up: nothing was trained or saved", file=sys.stderr)
+    return 128 + number
 
 
 def alive(pid):  # a worker not yet reaped is a zombie: gone

@@ -85,7 +85,13 @@ class Run:
         return self
 
     def wait_for_text(self, text, timeout=TIMEOUT):
+        """Wait until the launch prints ``text``; fail, saying what was awaited, if it ends first or takes ``timeout`` s
+        from its start."""
         while text not in self.output:
+            if self.process.poll() is not None:
+                self._reader.join(10)  # its last lines may still be in the pipe
+                if text in self.output:
+                    return
             if self.process.poll() is not None or time.monotonic() - self.started > timeout:
                 self.kill()
                 pytest.fail(f"never printed {text!r}: {' '.join(self.args)}\n{self.output[-3000:]}")

@@ -93,6 +93,25 @@ def test_the_batch_script_refuses_in_one_line(strategy, error):
     assert run.output.strip() == error
 
 
+def test_a_stop_after_the_last_step_leaves_a_finished_run_that_a_requeued_job_finds_done(never_stopped, mnist_dir,
+                                                                                           tmp_path):
+    # A scheduler's signal may come while the run evaluates and saves: it finishes, writes the last step's checkpoint
+    # and exits 0, so SLURM does not requeue it; a job run again all the same only loads that checkpoint and saves.
+    job = ["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), *RUN, "--checkpoint-every", "100",
+           "--checkpoint-dir", tmp_path / "ck", "--save", tmp_path / "final.pt"]
+    first = Run(job, env=launcher_env(NPROC_PER_NODE=2))
+    first.wait_for_text("step 40/40")
+    _signal(first.process.pid, signal.SIGTERM)  # bash execs torchrun: the launch is its process
+    first.wait()
+    assert first.returncode == 0, first.output[-3000:]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-40"]  # the last step's, none every 100
+    assert max_difference(load_weights(tmp_path / "final.pt"), never_stopped) == 0
+    again = succeeded(Run(job, env=launcher_env(NPROC_PER_NODE=2)))
+    assert f"resumed from {tmp_path / 'ck'}/step-40 (step 40," in again.output, again.output
+    assert not re.search(r"^step \d+/40:", again.output, re.M), again.output  # no step trained again
+    assert max_difference(load_weights(tmp_path / "final.pt"), never_stopped) == 0
+
+
 # ---- Kubernetes ----------------------------------------------------------------------------------------------
 
 MANIFEST = ROOT / "k8s" / "pytorchjob.yaml"

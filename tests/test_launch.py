@@ -12,8 +12,10 @@ from conftest import (
 )
 
 
-def test_the_process_count_is_the_gpus_torch_sees_not_those_nvidia_smi_lists(mnist_dir, tmp_path):
-    # nvidia-smi lists every GPU of the machine, also those CUDA_VISIBLE_DEVICES hides (here: all of them).
+def test_eight_launches_started_together_never_race_for_a_port_and_start_as_many_processes_as_gpus(tmp_path):
+    # Each launch's workers meet at a store torchrun opened on a port it holds (plumbing/torchrun.py), so launches that
+    # start together cannot take each other's port. Each counts the GPUs torch sees, not those nvidia-smi lists (all
+    # of the machine's, also those CUDA_VISIBLE_DEVICES hides: here all of them): none, so 2 CPU processes, not 8.
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "nvidia-smi").write_text(
@@ -22,9 +24,46 @@ def test_the_process_count_is_the_gpus_torch_sees_not_those_nvidia_smi_lists(mni
     env = launcher_env()
     env.pop("NPROC_PER_NODE", None)
     env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
-    run = succeeded(Run(["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), "--max-steps", "1", "--no-eval"],
-                        env=env))
-    assert "DDP on 2 rank(s)" in run.output  # no GPU for torch: 2 CPU processes, not 8
+    runs = [Run(["bash", ROOT / "run_ddp.sh", "--dataset", "synthetic", "--max-steps", "1", "--no-eval"], env=env)
+            for _ in range(8)]
+    for run in runs:
+        assert "DDP on 2 rank(s)" in succeeded(run).output
+
+
+def catches(pid, number):
+    """Whether process ``pid`` has a handler of its own for signal ``number`` (its SigCgt mask)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+    return bool(int(mask, 16) >> (number - 1) & 1)
+
+
+def wait_until(condition, what, run, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if run.process.poll() is not None or time.monotonic() > deadline:
+            run.kill()
+            pytest.fail(f"never saw {what}:\n{run.output[-3000:]}")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("moment", ["torchrun-importing-torch", "workers-starting"])
+def test_ctrl_c_during_start_up_is_one_line_and_exit_code_130(moment):
+    run = Run(["bash", ROOT / "run_ddp.sh", "--dataset", "synthetic", "--max-steps", "1", "--no-eval"],
+              env=launcher_env(NPROC_PER_NODE=2))
+    launcher = run.process.pid  # bash execs torchrun (plumbing/torchrun.py): the launch is its process
+    if moment == "torchrun-importing-torch":  # its first lines set a handler for SIGUSR1, which Python has not
+        wait_until(lambda: alive(launcher) and catches(launcher, signal.SIGUSR1), "torchrun's first handler", run)
+    else:
+        wait_until(lambda: len(worker_pids(launcher)) == 2, "two workers", run)
+    processes = [launcher, *worker_pids(launcher).values()]
+    os.killpg(launcher, signal.SIGINT)  # what a terminal does on Ctrl-C: the foreground process group
+    run.wait(timeout=60)
+    assert run.returncode == 130, run.output
+    assert our_lines(run.output) == ["stopped by SIGINT during start-up: nothing was trained or saved"], run.output
+    deadline = time.monotonic() + 10  # the workers die with torchrun (PR_SET_PDEATHSIG): soon after it
+    while any(alive(pid) for pid in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in processes if alive(pid)]
 
 
 # Bad launcher variables, every case in one table: (environment, the error line it must give). {busy} is a port
@@ -157,23 +196,22 @@ def test_a_killed_rank_is_one_line(mnist_dir):
 def test_a_stop_that_cannot_reach_a_stuck_rank_says_so(signals, mnist_dir):
     # Rank 1 stops (SIGSTOP), so rank 0 waits for it in a collective and neither can reach a checkpoint: torchrun
     # kills both after its shutdown timeout (3 s here, from torch 2.10; 30 s before), or at once on a second signal.
+    timeout = 3 if signals == 1 else 300  # with 2 signals, the second surely comes while torchrun waits
     run = Run(["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), "--epochs", "50", "--log-every", "1"],
-              env=launcher_env(NPROC_PER_NODE=2, TORCH_ELASTIC_SHUTDOWN_TIMEOUT=3))
+              env=launcher_env(NPROC_PER_NODE=2, TORCH_ELASTIC_SHUTDOWN_TIMEOUT=timeout))
     run.wait_for_text("step 2/")
     launcher = run.process.pid
     workers = worker_pids(launcher)
     os.kill(workers[1], signal.SIGSTOP)
-    time.sleep(1)
+    wait_until(lambda: stopped(workers[1]), "rank 1 stopped", run)
     os.kill(launcher, signal.SIGTERM)
-    if signals == 2:
-        time.sleep(2)
-        second = time.monotonic()
+    if signals == 2:  # torchrun passed the first on: it is pending at the stopped rank 1
+        wait_until(lambda: pending(workers[1], signal.SIGTERM), "torchrun's SIGTERM pending at rank 1", run)
         os.kill(launcher, signal.SIGTERM)
     run.wait(timeout=90)
     lines = run.output.splitlines()
     assert run.returncode == 143, run.output
-    if signals == 2:
-        assert time.monotonic() - second < 10, run.output  # not torchrun's whole shutdown timeout again
+    if signals == 2:  # (without the second signal, the launch would have waited 300 s: run.wait's 90 s would fail)
         assert lines[-1] == (f"SIGTERM again: ending now, without waiting for rank 0 (pid {workers[0]}), rank 1 "
                              f"(pid {workers[1]}) to stop"), run.output
     else:
@@ -185,3 +223,13 @@ def test_a_stop_that_cannot_reach_a_stuck_rank_says_so(signals, mnist_dir):
         time.sleep(0.1)
     assert not alive(workers[0]) and not alive(workers[1])
 
+
+def stopped(pid):  # state T: stopped by a signal
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def pending(pid, number):  # the signal waits at the process (ShdPnd: sent to the whole process)
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(line for line in f if line.startswith("ShdPnd:")).split()[1]
+    return bool(int(mask, 16) >> (number - 1) & 1)
