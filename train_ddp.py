@@ -179,6 +179,7 @@ def main():
                     "peak_lr": peak_lr, "ranks": ranks,
                 }, args.metrics)
     finally:
+        ddp_model = no_sync = None  # DDP holds the group: let go first, and destroy_process_group ends gloo's threads
         dist.destroy_process_group()
 
 

@@ -64,6 +64,7 @@ def main():
     else:  # plain `python train_fsdp.py`: a group of one, so every collective below runs unchanged
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     rank, world_size = dist.get_rank(), dist.get_world_size()  # rank decides who logs and writes files
+    mesh = None  # for the finally below, if setup fails before the mesh exists
     try:
         log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
 
@@ -231,6 +232,9 @@ def main():
                     "peak_lr": peak_lr, "ranks": ranks,
                 }, args.metrics)
     finally:
+        # torch 2.14's DTensor caches keep the mesh for good, and the mesh its group: let go of it (private; 2.9 has
+        # none), or gloo's threads live into interpreter shutdown, where they may abort the process
+        getattr(mesh, "_pg_registry", {}).clear()
         dist.destroy_process_group()
 
 

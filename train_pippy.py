@@ -290,6 +290,7 @@ def main():
                     "dataset": dataset.name, "peak_lr": peak_lr, "ranks": ranks,
                 }, args.metrics)
     finally:
+        schedule = stages = pp_group = mesh = None  # they hold the groups: let go, and destroy ends gloo's threads
         dist.destroy_process_group()
 
 

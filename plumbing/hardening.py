@@ -47,8 +47,8 @@ def run(main, *also):
         if "TORCHELASTIC_ERROR_FILE" not in os.environ:
             raise
         _end(traceback.format_exc().rstrip(), 1, rank=-1)  # for the launcher to print, if this rank failed first
-    finally:  # DDP's and FSDP's reference cycles keep gloo's threads alive; at interpreter shutdown gloo would abort
-        gc.collect()
+    finally:  # FSDP's modules hold their group in reference cycles: collected now, the group and gloo's threads end
+        gc.collect()  # here, not at interpreter shutdown, where one letting go of a collective's tensors would abort
 
 
 def _end(line, exit_code, rank=None):

@@ -1,9 +1,12 @@
 """Bad input, every case in one table: one `error:` line from rank 0, exit code 2, nothing written, launched as a user
-launches it (`bash run_ddp.sh`, torchrun and all: no traceback of its own may follow the line).
+launches it (`bash run_ddp.sh`, torchrun and all: no traceback of its own may follow the line), with MAX_RESTARTS=2:
+torchrun does not try a bad input again, so the line is said once.
 
 A case is one line: (script, processes, flags, the error line it must give). One process where the
 world size does not matter. All cases start at once and fail within seconds, before any training
-(except the diverging one, which stops at its first logging window).
+(except the diverging one, which stops at its first logging window). Each kind of refusal is launched once;
+other inputs refused the same way are checked where they are refused (the shared parser, data.find): a launch
+costs seconds of imports, and those cases differ only in the message.
 
 Two tables of the same kind live beside what they need: bad launcher variables (an environment, not
 flags) in test_launch.py, and bad checkpoints (made from its uninterrupted runs) in test_checkpoint.py.
@@ -17,20 +20,15 @@ import pytest
 import torch
 
 from conftest import (
-    ROOT, Run, _write_idx, assert_one_line_error, child_env, launcher_env, mnist_args, our_lines, python, run_sh,
+    ROOT, Run, _write_idx, assert_one_line_error, child_env, launcher_env, mnist_args, python, run_sh,
 )
+from models import data
 from models.data import synthetic_digits
+from plumbing import core
 
 CASES = {
-    # flags
-    "zero-batch": ("train_ddp.py", 1, ["--dataset", "synthetic", "--batch-size", "0"],
-                   "argument --batch-size: must be at least 1, got 0"),
-    "unknown-dataset": ("train_ddp.py", 1, ["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
-    "weight-decay-nan": ("train_ddp.py", 1, ["--weight-decay", "nan"],
-                         "argument --weight-decay: must be at least 0, got nan"),
-    "weight-decay-negative": ("train_ddp.py", 1, ["--weight-decay", "-1"],
-                              "argument --weight-decay: must be at least 0, got -1"),
-    "momentum-negative": ("train_ddp.py", 1, ["--momentum", "-1"], "argument --momentum: must be at least 0 and below 1, got -1"),
+    # flags: the parser of each script
+    "zero-batch": ("train_ddp.py", 1, ["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
     "replicate-degree-0": ("train_fsdp.py", 1, ["--replicate-degree", "0"],
                            "argument --replicate-degree: must be at least 1, got 0"),
     "stages-per-rank-0": ("train_pippy.py", 1, ["--stages-per-rank", "0"],
@@ -40,29 +38,37 @@ CASES = {
                          "is more than the 320 samples each of the 2 ranks gets"),
     # The suite hides the GPUs (conftest.child_env), so every rank finds none; on a GPU node the same check
     # stops, in one line per node, more processes than GPUs.
-    "cuda-without-gpus": ("train_ddp.py", 2, ["--dataset", "synthetic", "--device", "cuda"],
+    "cuda-without-gpus": ("train_ddp.py", 2, ["--device", "cuda"],
                           "2 processes on this node need 2 GPUs, but torch sees 0"),
     # output paths, checked at start-up
-    "unwritable-save": ("train_ddp.py", 1, ["--dataset", "synthetic", "--save", "{tmp}"], "--save {tmp}: cannot write there"),
-    "save-is-metrics": ("train_ddp.py", 1, ["--dataset", "synthetic", "--save", "{tmp}/run", "--metrics", "{tmp}/run"],
+    "unwritable-save": ("train_ddp.py", 1, [*mnist_args("{mnist}"), "--save", "{tmp}"], "--save {tmp}: cannot write there"),
+    "save-is-metrics": ("train_ddp.py", 1, [*mnist_args("{mnist}"), "--save", "{tmp}/run", "--metrics", "{tmp}/run"],
                         "--save and --metrics are both {tmp}/run: the metrics would replace the weights"),
-    "save-names-a-directory": ("train_ddp.py", 1, ["--dataset", "synthetic", "--save", "{tmp}/new/"],
+    "save-names-a-directory": ("train_ddp.py", 1, [*mnist_args("{mnist}"), "--save", "{tmp}/new/"],
                                "--save {tmp}/new/: cannot write there (it names a directory, not a file)"),
-    "checkpoint-dir-is-a-file": ("train_ddp.py", 1, ["--dataset", "synthetic", "--checkpoint-dir", "{tmp}/file"],
+    "checkpoint-dir-is-a-file": ("train_ddp.py", 1, [*mnist_args("{mnist}"), "--checkpoint-dir", "{tmp}/file"],
                                  "--checkpoint-dir {tmp}/file: cannot write there (it is a file, not a directory)"),
-    # data
+    # data: missing, and damaged (the other damages: DAMAGED below)
     "missing-mnist": ("train_ddp.py", 1, [*mnist_args("{tmp}/missing")], "put the files in {tmp}/missing/MNIST/raw/"),
     "label-255": ("train_ddp.py", 1, [*mnist_args("{bad}/label-255")], "train-labels-idx1-ubyte has label 255 at index 0; "
                   "mnist labels are 0 to 9"),
-    "fewer-labels": ("train_ddp.py", 1, [*mnist_args("{bad}/fewer-labels")],
-                     "train-labels-idx1-ubyte holds 639 labels for the 640 images"),
-    "no-labels": ("train_ddp.py", 1, [*mnist_args("{bad}/no-labels")], "train-labels-idx1-ubyte holds 0 labels for the 640 images"),
-    "random-bytes": ("train_ddp.py", 1, [*mnist_args("{bad}/random-bytes")],
-                     "train-images-idx3-ubyte is not an IDX file of 3-D uint8 data"),
-    "truncated-images": ("train_ddp.py", 1, [*mnist_args("{bad}/truncated-images")], "train-images-idx3-ubyte is truncated"),
     # training
     "diverged": ("train_ddp.py", 1, [*mnist_args("{mnist}"), "--lr", "1e30", "--max-steps", "5", "--log-every", "1",
                                      "--no-eval", "--save", "{tmp}/diverged.pt"], "training diverged; lower --lr"),
+}
+# Refused by the parser the three scripts share, as zero-batch is: (flags, the error).
+FLAGS = {
+    "unknown-dataset": (["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
+    "weight-decay-nan": (["--weight-decay", "nan"], "argument --weight-decay: must be at least 0, got nan"),
+    "weight-decay-negative": (["--weight-decay", "-1"], "argument --weight-decay: must be at least 0, got -1"),
+    "momentum-negative": (["--momentum", "-1"], "argument --momentum: must be at least 0 and below 1, got -1"),
+}
+# Damaged files found by data.find, as label-255 is: the error.
+DAMAGED = {
+    "fewer-labels": "train-labels-idx1-ubyte holds 639 labels for the 640 images",
+    "no-labels": "train-labels-idx1-ubyte holds 0 labels for the 640 images",
+    "random-bytes": "train-images-idx3-ubyte is not an IDX file of 3-D uint8 data",
+    "truncated-images": "train-images-idx3-ubyte is truncated",
 }
 
 
@@ -93,35 +99,49 @@ def bad_mnist(root):
 
 
 @pytest.fixture(scope="module")
-def runs(mnist_dir, tmp_path_factory):
-    tmp, bad = tmp_path_factory.mktemp("bad-input"), tmp_path_factory.mktemp("bad-mnist")
-    (tmp / "file").write_text("not a directory")
+def bad_data(tmp_path_factory):
+    bad = tmp_path_factory.mktemp("bad-mnist")
     bad_mnist(bad)
-    fill = {"tmp": str(tmp), "mnist": str(mnist_dir), "bad": str(bad)}
-    started = {case: run_sh(script, processes, *[str(a).format(**fill) for a in flags])
+    return bad
+
+
+@pytest.fixture(scope="module")
+def runs(mnist_dir, bad_data, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad-input")
+    (tmp / "file").write_text("not a directory")
+    fill = {"tmp": str(tmp), "mnist": str(mnist_dir), "bad": str(bad_data)}
+    started = {case: run_sh(script, processes, *[str(a).format(**fill) for a in flags], env=child_env(MAX_RESTARTS=2))
                for case, (script, processes, flags, _) in CASES.items()}
     return started, fill
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_input_is_one_line_from_rank_zero(case, runs):
+def test_bad_input_is_one_line_from_rank_zero_and_not_retried(case, runs):
     started, fill = runs
     run = started[case].wait()
-    assert_one_line_error(run, CASES[case][3].format(**fill))
+    assert_one_line_error(run, CASES[case][3].format(**fill))  # one line: said once, by one attempt
     assert not os.path.exists(os.path.join(fill["tmp"], "diverged.pt"))  # a diverged run saves nothing
     assert not os.path.exists(os.path.join(fill["tmp"], "run"))
 
 
-def test_a_bad_input_is_said_once_and_not_retried_and_is_one_line_without_torchrun():
-    # MAX_RESTARTS is for crashes: the same input would fail the same way on each restart.
-    flags = ["--dataset", "synthetic", "--batch-size", "40000"]
-    message = "--batch-size 40000 x --grad-accum 1 is more than the 30000 samples each of the 2 ranks gets"
-    restarted = run_sh("train_ddp.py", 2, *flags, env=child_env(MAX_RESTARTS=2))
-    alone = python("train_ddp.py", *flags, "--batch-size", "60001").wait()
-    assert_one_line_error(alone, "is more than the 60000 samples each of the 1 ranks gets")
-    run = restarted.wait()
-    assert_one_line_error(run, message)
-    assert our_lines(run.output) == [f"error: {message} from synthetic; make it smaller"], run.output
+@pytest.mark.parametrize("case", FLAGS)
+def test_a_bad_flag_is_refused_by_the_parser_the_scripts_share(case):
+    flags, message = FLAGS[case]
+    with pytest.raises(core.UsageError) as refused:
+        core.parser("", data.add_arguments).parse_args(flags)
+    assert str(refused.value).startswith(message) and str(refused.value).endswith(" (see --help)"), refused.value
+
+
+@pytest.mark.parametrize("case", DAMAGED)
+def test_damaged_data_is_found_before_the_process_group(case, bad_data):
+    found = data.find("mnist", bad_data / case, download=False)
+    assert DAMAGED[case] in found["broken"], found["broken"]
+
+
+def test_a_bad_input_without_torchrun_is_one_line(mnist_dir):
+    run = python("train_ddp.py", *mnist_args(mnist_dir), "--batch-size", "641").wait()
+    assert_one_line_error(run, "--batch-size 641 x --grad-accum 1 is more than the 640 samples each of the 1 ranks "
+                               "gets from mnist; make it smaller")
 
 
 def test_help_prints_once_and_a_missing_script_is_one_line():
@@ -150,8 +170,8 @@ def bound_by_permissions(command, cwd=None):
     return Run(command if os.geteuid() else ["unshare", "--user", *command], cwd=cwd, env=launcher_env(NPROC_PER_NODE=2))
 
 
-def test_a_full_disk_is_one_line_that_names_the_path_and_the_space(tmp_path):
-    flags = ["--dataset", "synthetic", "--max-steps", "20", "--no-eval", "--log-every", "10"]
+def test_a_full_disk_is_one_line_that_names_the_path_and_the_space(mnist_dir, tmp_path):
+    flags = [*mnist_args(mnist_dir), "--epochs", "4", "--max-steps", "20", "--no-eval", "--log-every", "10"]
     for name in ("save", "checkpoint"):
         (tmp_path / name).mkdir()
     runs = {  # --save over an older file of that name, at the end; a checkpoint, at step 10
@@ -186,8 +206,8 @@ def test_a_data_directory_this_user_cannot_read_is_named_as_such(mnist_dir, tmp_
         (tmp_path / "data" / "MNIST" / "raw").chmod(0o755)
 
 
-def test_a_checkpoint_directory_made_read_only_mid_run_is_one_line(tmp_path):
-    command = ["bash", ROOT / "run_ddp.sh", "--dataset", "synthetic", "--epochs", "50", "--log-every", "1", "--no-eval",
+def test_a_checkpoint_directory_made_read_only_mid_run_is_one_line(mnist_dir, tmp_path):
+    command = ["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), "--epochs", "50", "--log-every", "1", "--no-eval",
                "--checkpoint-dir", "ck", "--checkpoint-every", "10"]
     run = bound_by_permissions(command, cwd=tmp_path)
     run.wait_for_text("step 3/")  # checked writable at the start; read-only before the first checkpoint, at step 10

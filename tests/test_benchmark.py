@@ -1,5 +1,8 @@
 """The benchmark at its smallest size: every figure present and sane, the plot written; what it says when a
-configuration fails, and what it leaves behind."""
+configuration fails, and what it leaves behind.
+
+The benchmark's runs are the scripts the other files test, measured: these tests are marked slow (minutes of
+launches) and left out of the default run; CI runs them (`python -m pytest tests -m slow`)."""
 
 import json
 import math
@@ -16,6 +19,7 @@ from conftest import ROOT, Run, child_env
 COMPARE = ROOT / "benchmarks" / "compare.py"
 
 
+@pytest.mark.slow
 def test_quick_benchmark_reports_every_figure(tmp_path):
     scratch = tmp_path / "tmp"  # the benchmark's temporary directory, alone in its own
     scratch.mkdir()
@@ -43,6 +47,7 @@ def test_quick_benchmark_reports_every_figure(tmp_path):
     assert run.output.count("| 5. pipeline") == 2 and "[1/" in run.output  # the table, and a progress line per run
 
 
+@pytest.mark.slow
 def test_host_overhead_reports_the_cost_of_a_step_and_of_the_start(tmp_path):
     run = Run([sys.executable, ROOT / "benchmarks" / "host_overhead.py", "--steps", "200", "--repeats", "1",
                "--out", tmp_path]).wait(timeout=600)
@@ -50,7 +55,6 @@ def test_host_overhead_reports_the_cost_of_a_step_and_of_the_start(tmp_path):
     results = json.loads((tmp_path / "host_overhead.json").read_text())
     figures = [results[k] for k in ("bare_loop", "bare_loop_ddp", "train_ddp", "import_torch_seconds", "first_step_seconds")]
     assert all(math.isfinite(v) and v > 0 for v in figures), figures
-    assert results["first_step_seconds"] > results["import_torch_seconds"]  # the script imports torch, then more
     assert list(tmp_path.glob(".host_overhead*")) == []  # its scratch metrics file went with it
     assert "| train_ddp.py, one process |" in run.output
 
@@ -79,6 +83,7 @@ def test_figure_6_alone_on_a_gpu(tmp_path):
     assert (tmp_path / "gpu.md").read_text().count("| train_ddp.py (") == 6
 
 
+@pytest.mark.slow
 def test_a_failing_configuration_says_its_own_error_and_leaves_no_scratch_directory(tmp_path):
     scratch = tmp_path / "tmp"
     scratch.mkdir()
@@ -104,6 +109,7 @@ def failure_message(command):
     return str(stopped.value.code)
 
 
+@pytest.mark.slow
 def test_a_failed_configuration_reports_the_scripts_error_line_not_torchruns_summary():
     message = failure_message([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                                ROOT / "train_ddp.py", "--epochs", "0"])
@@ -113,6 +119,7 @@ def test_a_failed_configuration_reports_the_scripts_error_line_not_torchruns_sum
     assert "Traceback" not in message, message
 
 
+@pytest.mark.slow
 def test_a_failed_configuration_reports_the_traceback_of_the_rank_that_failed_first(tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text("""

@@ -7,7 +7,6 @@ import shutil
 import signal
 import time
 
-import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -79,7 +78,7 @@ def test_a_second_signal_ends_a_rank_stuck_in_a_collective(mnist_dir):
         run.wait()
 
 
-def test_bf16_autocast_wraps_each_stage_forward_and_the_pipeline_learns(mnist_dir, tmp_path):
+def test_bf16_autocast_wraps_each_stage_forward_as_ddp_wraps_the_model(mnist_dir, tmp_path):
     # One stage and one microbatch: the same computation as DDP's, bf16 rounding and all, if autocast wraps the
     # same operations (the forward) in both.
     flags = [*mnist_args(mnist_dir), "--precision", "bf16", "--batch-size", "32", "--max-steps", "20", "--no-eval"]
@@ -87,18 +86,15 @@ def test_bf16_autocast_wraps_each_stage_forward_and_the_pipeline_learns(mnist_di
             python("train_pippy.py", *flags, "--microbatches", "1", "--save", tmp_path / "pipeline.pt")]
     for run in runs:
         succeeded(run)
+    # (That 2 stages learn in bf16: test_course.py's test_the_pipeline_trains_in_bf16.)
     assert max_difference(load_weights(tmp_path / "ddp.pt"), load_weights(tmp_path / "pipeline.pt")) == 0
-    two_stages = succeeded(torchrun("train_pippy.py", 2, *mnist_args(mnist_dir), "--precision", "bf16", "--epochs", "3",
-                                    "--batch-size", "32", "--microbatches", "4"))
-    accuracy = float(two_stages.output.rsplit("test accuracy ", 1)[1].split("%")[0])
-    assert accuracy > 70  # chance is 10
 
 
-@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "looped-bfs"])
-def test_pipeline_replicas_average_gradients_once_per_optimizer_step(schedule, reference, control, mnist_dir, tmp_path):
+def test_pipeline_replicas_average_gradients_once_per_optimizer_step(reference, control, mnist_dir, tmp_path):
     # Every schedule now trains replicated stages (DDP inside a stage allowed 1f1b only, and all-reduced at every
-    # micro-step); equivalence with one process shows the averaging is right with accumulation.
-    run = torchrun("train_pippy.py", 4, *mnist_args(mnist_dir), *EQUIVALENCE, "--schedule", schedule,
+    # micro-step); equivalence with one process shows the averaging is right with accumulation, here with two stages
+    # per rank (test_pippy.py: one).
+    run = torchrun("train_pippy.py", 4, *mnist_args(mnist_dir), *EQUIVALENCE, "--schedule", "looped-bfs",
                    "--data-parallel", "2", "--batch-size", "8", "--grad-accum", "2", "--microbatches", "2",
                    "--save", tmp_path / "pipeline.pt")
     succeeded(run)

@@ -12,7 +12,7 @@ from conftest import (
 )
 
 
-def test_eight_launches_started_together_never_race_for_a_port_and_start_as_many_processes_as_gpus(tmp_path):
+def test_eight_launches_started_together_never_race_for_a_port_and_start_one_process_per_gpu(mnist_dir, tmp_path):
     # Each launch's workers meet at a store torchrun opened on a port it holds (plumbing/torchrun.py), so launches that
     # start together cannot take each other's port. Each counts the GPUs torch sees, not those nvidia-smi lists (all
     # of the machine's, also those CUDA_VISIBLE_DEVICES hides: here all of them): none, so 2 CPU processes, not 8.
@@ -24,7 +24,7 @@ def test_eight_launches_started_together_never_race_for_a_port_and_start_as_many
     env = launcher_env()
     env.pop("NPROC_PER_NODE", None)
     env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
-    runs = [Run(["bash", ROOT / "run_ddp.sh", "--dataset", "synthetic", "--max-steps", "1", "--no-eval"], env=env)
+    runs = [Run(["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), "--max-steps", "1", "--no-eval"], env=env)
             for _ in range(8)]
     for run in runs:
         assert "DDP on 2 rank(s)" in succeeded(run).output
@@ -131,11 +131,14 @@ def test_a_bad_launcher_variable_is_one_line(case, bad_launches):
 
 
 def test_more_processes_than_cores_is_a_one_line_warning():
+    # The warning comes after the checks of every variable; an address that does not resolve then stops the launch
+    # at once, before torch is imported (node 1 checks node 0's address first).
     cores = len(os.sched_getaffinity(0))  # as nproc counts them
-    run = Run(["bash", ROOT / "run_ddp.sh", "--batch-size", "0"], env=launcher_env(NPROC_PER_NODE=cores + 1)).wait()
+    env = launcher_env(NPROC_PER_NODE=cores + 1, NNODES=2, NODE_RANK=1, MASTER_ADDR="no-such-host.invalid")
+    run = Run(["bash", ROOT / "run_ddp.sh"], env=env).wait()
     assert run.output.splitlines()[0] == (f"launch.sh: warning: NPROC_PER_NODE={cores + 1} processes share this node's "
                                           f"{cores} cores: each waits for the others (use at most {cores} for speed)")
-    assert_one_line_error(run, "argument --batch-size: must be at least 1, got 0")
+    assert_one_line_error(run, "MASTER_ADDR=no-such-host.invalid does not resolve on this node")
 
 
 # How a launch ends when a worker fails or will not stop: one line from plumbing/torchrun.py (launch.sh's torchrun),

@@ -7,13 +7,12 @@ purpose, far too high: the first backwards overflow float16, each such step is s
 halved, until the scaled gradients fit. Rank 0 prints each step's record as one JSON line per rank.
 """
 
-import gc
 import json
 import os
 
 import torch
-import torch._dynamo  # noqa: F401  before the group: DDP imports it, and imported later it keeps the group alive
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before init_process_group: see the end of main()
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -54,11 +53,11 @@ def main():
     if rank == 0:
         for entry in ranks:
             print(json.dumps(entry), flush=True)
-    # DDP holds the group (and its reference cycles wait for a collection): with it gone, destroy_process_group ends
-    # gloo's worker threads here. One still running at interpreter shutdown can abort the process ("terminate called
-    # without an active exception") as it lets go of the last collective's tensors.
+    # The group, and gloo's worker threads, end with its last reference: a thread still letting go of the last
+    # collective's tensors at interpreter shutdown aborts the process ("terminate called without an active exception").
+    # DDP holds the group: let go of it first. (So would torch.distributed.nn's functions, for good, if imported after
+    # init_process_group, as DDP does: their default group= is the group then. Hence the import at the top.)
     del model
-    gc.collect()
     dist.destroy_process_group()
 
 

@@ -9,15 +9,14 @@ rank gets the weights of the last rank to finish. With --no-join, rank 1's last 
 partner. Rank 0 prints what each rank did as one JSON line.
 """
 
-import gc
 import json
 import sys
 from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
-import torch._dynamo  # noqa: F401  before the group: DDP imports it, and imported later it keeps the group alive
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before init_process_group: see the end of main()
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -58,11 +57,11 @@ def main():
     dist.all_gather_object(ranks, {"rank": rank, "steps": steps, "weights": weights})
     if rank == 0:
         print(json.dumps(ranks), flush=True)
-    # DDP holds the group (and its reference cycles wait for a collection): with it gone, destroy_process_group ends
-    # gloo's worker threads here. One still running at interpreter shutdown can abort the process ("terminate called
-    # without an active exception") as it lets go of the last collective's tensors.
+    # The group, and gloo's worker threads, end with its last reference: a thread still letting go of the last
+    # collective's tensors at interpreter shutdown aborts the process ("terminate called without an active exception").
+    # DDP holds the group: let go of it first. (So would torch.distributed.nn's functions, for good, if imported after
+    # init_process_group, as DDP does: their default group= is the group then. Hence the import at the top.)
     del model
-    gc.collect()
     dist.destroy_process_group()
 
 

@@ -14,7 +14,6 @@ split model's output and gradients are from the unsplit copy's, in float64.
 
 import copy
 import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -72,11 +71,11 @@ def main():
     if rank == 0:
         print(json.dumps({"world_size": world_size, "parameters_unsplit": sum(p.numel() for p in whole.parameters()),
                           "forward": counts(forward), "backward": counts(backward), "ranks": everyone}), flush=True)
+    # torch 2.14's DTensor keeps the mesh in caches for good, and the mesh keeps its groups: let go of them, or gloo's
+    # threads outlive destroy_process_group, and one still letting go of the last collective's tensors at interpreter
+    # shutdown aborts the process ("terminate called without an active exception"). Private; torch 2.9 has none.
+    getattr(mesh, "_pg_registry", {}).clear()
     dist.destroy_process_group()
-    # torch 2.14 keeps the mesh's gloo groups referenced past destroy_process_group, and their worker threads with them
-    # (12 threads are left): one still letting go of the last collective's tensors while Python shuts down aborts the
-    # process ("terminate called without an active exception"). So the process ends here, without that shutdown.
-    os._exit(0)
 
 
 if __name__ == "__main__":
