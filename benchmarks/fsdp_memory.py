@@ -89,4 +89,5 @@ if rank == 0:
                       "peak_bytes_per_rank": [r["peak"]["total"] for r in everyone], **largest}))
 del tracker, model, optimizer
 gc.collect()  # FSDP's reference cycles hold gloo's threads: left to the interpreter's exit, gloo may abort
+getattr(mesh, "_pg_registry", {}).clear()  # torch 2.14's DTensor caches keep the mesh, and the mesh its group
 dist.destroy_process_group()

@@ -22,7 +22,8 @@ The format, strict so that it can be read here. A page's exercises are the `### 
   reader sees what the test checks; an exercise with a `~` check must have a `!~` check whose
   tolerance is at least 100 times larger, so the tolerance is shown to sit far below a real difference.
 
-The commands also parse with the scripts' own parsers (tests/test_docs.py).
+The commands also parse with the scripts' own parsers (tests/test_docs.py). The runs are marked slow
+(pytest.ini): variations of what the other files launch, they check the pages' answers; CI runs them.
 """
 
 import json
@@ -168,6 +169,7 @@ def all_exercises():
             for page in PAGES for index in range(len(exercises(page)))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page, index", all_exercises())
 def test_the_exercise_answers_are_what_the_runs_give(runs, page, index):
     title, commands, question, visible, checks = exercises(page)[index]

@@ -24,10 +24,12 @@ def test_eight_launches_started_together_never_race_for_a_port_and_start_one_pro
     env = launcher_env()
     env.pop("NPROC_PER_NODE", None)
     env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
-    runs = [Run(["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), "--max-steps", "1", "--no-eval"], env=env)
-            for _ in range(8)]
-    for run in runs:
-        assert "DDP on 2 rank(s)" in succeeded(run).output
+    # The first launch counts the GPUs; the other 7 start 1 process each (each worker imports torch, a few seconds).
+    runs = [Run(["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), "--max-steps", "1", "--no-eval"],
+                env=env if launch == 0 else {**env, "NPROC_PER_NODE": "1"}) for launch in range(8)]
+    outputs = [succeeded(run).output for run in runs]
+    assert "DDP on 2 rank(s)" in outputs[0], outputs[0]
+    assert all("one process, no DDP wrapper" in output for output in outputs[1:]), outputs
 
 
 def catches(pid, number):
