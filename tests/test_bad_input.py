@@ -4,7 +4,9 @@ torchrun does not try a bad input again, so the line is said once.
 
 A case is one line: (script, processes, flags, the error line it must give). One process where the
 world size does not matter. All cases start at once and fail within seconds, before any training
-(except the diverging one, which stops at its first logging window). Each kind of refusal is launched once;
+(except the diverging one, which stops at its first logging window). 8 of them get past the flags and
+meet in their own rendezvous (RENDEZVOUS): 8 launches started together, none of which may take another's
+port (a traceback from init_process_group, not one line, when one did). Each kind of refusal is launched once;
 other inputs refused the same way are checked where they are refused (the shared parser, data.find): a launch
 costs seconds of imports, and those cases differ only in the message.
 
@@ -56,6 +58,8 @@ CASES = {
     "diverged": ("train_ddp.py", 1, [*mnist_args("{mnist}"), "--lr", "1e30", "--max-steps", "5", "--log-every", "1",
                                      "--no-eval", "--save", "{tmp}/diverged.pt"], "training diverged; lower --lr"),
 }
+RENDEZVOUS = ["batch-over-shard", "unwritable-save", "save-is-metrics", "save-names-a-directory",
+              "checkpoint-dir-is-a-file", "missing-mnist", "label-255", "diverged"]  # found after init_process_group
 # Refused by the parser the three scripts share, as zero-batch is: (flags, the error).
 FLAGS = {
     "unknown-dataset": (["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
@@ -120,6 +124,7 @@ def test_bad_input_is_one_line_from_rank_zero_and_not_retried(case, runs):
     started, fill = runs
     run = started[case].wait()
     assert_one_line_error(run, CASES[case][3].format(**fill))  # one line: said once, by one attempt
+    assert "Address already in use" not in run.output  # RENDEZVOUS: the line came after the process group
     assert not os.path.exists(os.path.join(fill["tmp"], "diverged.pt"))  # a diverged run saves nothing
     assert not os.path.exists(os.path.join(fill["tmp"], "run"))
 
