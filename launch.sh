@@ -27,8 +27,9 @@
 # SIGTERM, SIGUSR1 (SLURM's warning before a time limit) or SIGINT to torchrun: it passes the signal on, the
 # workers stop together at their next logging step and write a checkpoint (with --checkpoint-dir), and the
 # launch ends with exit code 128 + the signal's number (143, 138, 130), which schedulers read as "preempted".
-# A second signal ends it at once. A failed launch ends in one line, not torchrun's traceback: exit code 2 for a
-# bad input the workers found, 1 for a crash (plumbing/torchrun.py says what each ending prints).
+# A second signal ends it at once; one during start-up is one line; one after the last step lets the run finish (exit
+# code 0). A failed launch ends in one line, not torchrun's traceback: exit code 2 for a bad input the workers found
+# (not restarted), 1 for a crash (plumbing/torchrun.py says what each ending prints).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
