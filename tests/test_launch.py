@@ -27,10 +27,11 @@ def test_the_process_count_is_the_gpus_torch_sees_not_those_nvidia_smi_lists(mni
     assert "DDP on 2 rank(s)" in run.output  # no GPU for torch: 2 CPU processes, not 8
 
 
-def catches(pid, number):
-    """Whether process ``pid`` has a handler of its own for signal ``number`` (its SigCgt mask)."""
+def in_mask(pid, field, number):
+    """Whether signal ``number`` is in process ``pid``'s /proc mask ``field``: SigCgt (it has a handler of its own),
+    ShdPnd (sent to the whole process, waiting)."""
     with open(f"/proc/{pid}/status") as f:
-        mask = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+        mask = next(line for line in f if line.startswith(f"{field}:")).split()[1]
     return bool(int(mask, 16) >> (number - 1) & 1)
 
 
@@ -49,7 +50,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_code_130(moment):
               env=launcher_env(NPROC_PER_NODE=2))
     launcher = run.process.pid  # bash execs torchrun (plumbing/torchrun.py): the launch is its process
     if moment == "torchrun-importing-torch":  # its first lines set a handler for SIGUSR1, which Python has not
-        wait_until(lambda: alive(launcher) and catches(launcher, signal.SIGUSR1), "torchrun's first handler", run)
+        wait_until(lambda: alive(launcher) and in_mask(launcher, "SigCgt", signal.SIGUSR1), "torchrun's first handler", run)
     else:
         wait_until(lambda: len(worker_pids(launcher)) == 2, "two workers", run)
     processes = [launcher, *worker_pids(launcher).values()]
@@ -206,7 +207,7 @@ def test_a_stop_that_cannot_reach_a_stuck_rank_says_so(signals, mnist_dir):
     wait_until(lambda: stopped(workers[1]), "rank 1 stopped", run)
     os.kill(launcher, signal.SIGTERM)
     if signals == 2:  # torchrun passed the first on: it is pending at the stopped rank 1
-        wait_until(lambda: pending(workers[1], signal.SIGTERM), "torchrun's SIGTERM pending at rank 1", run)
+        wait_until(lambda: in_mask(workers[1], "ShdPnd", signal.SIGTERM), "torchrun's SIGTERM pending at rank 1", run)
         os.kill(launcher, signal.SIGTERM)
     run.wait(timeout=90)
     lines = run.output.splitlines()
@@ -227,9 +228,3 @@ def test_a_stop_that_cannot_reach_a_stuck_rank_says_so(signals, mnist_dir):
 def stopped(pid):  # state T: stopped by a signal
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
-
-
-def pending(pid, number):  # the signal waits at the process (ShdPnd: sent to the whole process)
-    with open(f"/proc/{pid}/status") as f:
-        mask = next(line for line in f if line.startswith("ShdPnd:")).split()[1]
-    return bool(int(mask, 16) >> (number - 1) & 1)
