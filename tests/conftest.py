@@ -4,9 +4,11 @@ Every launch runs in its own process group with a hard timeout: on a timeout the
 (torchrun and its workers) is killed and the test fails, so nothing in the suite can hang.
 """
 
+import fcntl
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import struct
@@ -176,13 +178,28 @@ def mnist_args(mnist_dir):
     return ["--dataset", "mnist", "--data-dir", mnist_dir, "--no-download"]
 
 
+def made_once(tmp_path_factory, name, make):
+    """A directory that ``make(directory)`` fills once in a session, for every pytest-xdist worker: the first to ask
+    makes it, under a file lock, while another waits for it instead of launching the same run."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the workers' common directory
+    directory = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if make fails
+        if not (directory / "made").exists():
+            shutil.rmtree(directory, ignore_errors=True)  # a failed attempt's leftovers
+            directory.mkdir()
+            make(directory)
+            (directory / "made").touch()
+    return directory
+
+
 @pytest.fixture(scope="session")
 def reference_run(mnist_dir, tmp_path_factory):
     """train_ddp.py, one process without torchrun, batch 32: what every equivalent run must reach."""
-    directory = tmp_path_factory.mktemp("reference")
-    succeeded(python("train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "32",
-                     "--save", directory / "reference.pt", "--metrics", directory / "reference.json"))
-    return directory
+    return made_once(tmp_path_factory, "reference", lambda directory: succeeded(python(
+        "train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "32",
+        "--save", directory / "reference.pt", "--metrics", directory / "reference.json")))
 
 
 @pytest.fixture(scope="session")
@@ -195,9 +212,9 @@ def reference(reference_run):
 def control(mnist_dir, tmp_path_factory):
     """The negative control: one process at batch 16, what one rank computes if nothing averages
     its gradients with the other rank's; every equivalence test checks it is far off."""
-    path = tmp_path_factory.mktemp("control") / "half_batch.pt"
-    succeeded(python("train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "16", "--save", path))
-    return load_weights(path)
+    directory = made_once(tmp_path_factory, "control", lambda directory: succeeded(python(
+        "train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "16", "--save", directory / "half_batch.pt")))
+    return load_weights(directory / "half_batch.pt")
 
 
 @pytest.fixture(scope="session")

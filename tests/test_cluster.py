@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import (
-    ROOT, Run, alive, descendants, free_port, launcher_env, load_weights, max_difference, mnist_args, succeeded, torchrun,
+    ROOT, Run, alive, descendants, free_port, launcher_env, load_weights, max_difference, mnist_args, succeeded,
     wait_for,
 )
 
@@ -28,11 +28,24 @@ STOPPED = re.compile(r"stopped by (SIG\w+) at step (\d+) of 40: checkpoint step-
 
 
 @pytest.fixture(scope="module")
-def never_stopped(mnist_dir, tmp_path_factory):
-    """Final weights of train_ddp.py on one node, 2 processes, never stopped."""
-    path = tmp_path_factory.mktemp("never-stopped") / "final.pt"
-    succeeded(torchrun("train_ddp.py", 2, *mnist_args(mnist_dir), *RUN, "--save", path))
-    return load_weights(path)
+def last_step_stop(mnist_dir, tmp_path_factory):
+    """run_ddp.sh on one node, 2 processes, sent SIGTERM once it logged its last step: (command, run, directory)."""
+    directory = tmp_path_factory.mktemp("last-step-stop")
+    job = ["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), *RUN, "--checkpoint-every", "100",
+           "--checkpoint-dir", directory / "ck", "--save", directory / "final.pt"]
+    run = Run(job, env=launcher_env(NPROC_PER_NODE=2))
+    run.wait_for_text("step 40/40")
+    _signal(run.process.pid, signal.SIGTERM)  # bash execs torchrun: the launch is its process
+    return job, run.wait(), directory
+
+
+@pytest.fixture(scope="module")
+def never_stopped(last_step_stop):
+    """Final weights of train_ddp.py on one node, 2 processes, never stopped before its end: the run above (a signal
+    after the last step lets it finish; the test below checks that)."""
+    _, run, directory = last_step_stop
+    assert run.returncode == 0, run.output[-3000:]
+    return load_weights(directory / "final.pt")
 
 
 def assert_stopped(run, signal_name, checkpoint_dir):
@@ -93,23 +106,17 @@ def test_the_batch_script_refuses_in_one_line(strategy, error):
     assert run.output.strip() == error
 
 
-def test_a_stop_after_the_last_step_leaves_a_finished_run_that_a_requeued_job_finds_done(never_stopped, mnist_dir,
-                                                                                           tmp_path):
+def test_a_stop_after_the_last_step_leaves_a_finished_run_that_a_requeued_job_finds_done(last_step_stop,
+                                                                                           never_stopped):
     # A scheduler's signal may come while the run evaluates and saves: it finishes, writes the last step's checkpoint
     # and exits 0, so SLURM does not requeue it; a job run again all the same only loads that checkpoint and saves.
-    job = ["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), *RUN, "--checkpoint-every", "100",
-           "--checkpoint-dir", tmp_path / "ck", "--save", tmp_path / "final.pt"]
-    first = Run(job, env=launcher_env(NPROC_PER_NODE=2))
-    first.wait_for_text("step 40/40")
-    _signal(first.process.pid, signal.SIGTERM)  # bash execs torchrun: the launch is its process
-    first.wait()
+    job, first, directory = last_step_stop
     assert first.returncode == 0, first.output[-3000:]
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-40"]  # the last step's, none every 100
-    assert max_difference(load_weights(tmp_path / "final.pt"), never_stopped) == 0
+    assert sorted(p.name for p in (directory / "ck").iterdir()) == ["step-40"]  # the last step's, none every 100
     again = succeeded(Run(job, env=launcher_env(NPROC_PER_NODE=2)))
-    assert f"resumed from {tmp_path / 'ck'}/step-40 (step 40," in again.output, again.output
+    assert f"resumed from {directory / 'ck'}/step-40 (step 40," in again.output, again.output
     assert not re.search(r"^step \d+/40:", again.output, re.M), again.output  # no step trained again
-    assert max_difference(load_weights(tmp_path / "final.pt"), never_stopped) == 0
+    assert max_difference(load_weights(directory / "final.pt"), never_stopped) == 0
 
 
 # ---- Kubernetes ----------------------------------------------------------------------------------------------

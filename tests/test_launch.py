@@ -8,23 +8,8 @@ import time
 import pytest
 
 from conftest import (
-    ROOT, Run, alive, assert_one_line_error, free_port, launcher_env, mnist_args, our_lines, succeeded, worker_pids,
+    ROOT, Run, alive, assert_one_line_error, free_port, launcher_env, mnist_args, our_lines, worker_pids,
 )
-
-
-def test_the_process_count_is_the_gpus_torch_sees_not_those_nvidia_smi_lists(mnist_dir, tmp_path):
-    # nvidia-smi lists every GPU of the machine, also those CUDA_VISIBLE_DEVICES hides (here: all of them).
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "nvidia-smi").write_text(
-        '#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo "GPU $i: NVIDIA H100 (UUID: GPU-$i)"; done\n')
-    (fake / "nvidia-smi").chmod(0o755)
-    env = launcher_env()
-    env.pop("NPROC_PER_NODE", None)
-    env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
-    run = succeeded(Run(["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), "--max-steps", "1", "--no-eval"],
-                        env=env))
-    assert "DDP on 2 rank(s)" in run.output  # no GPU for torch: 2 CPU processes, not 8
 
 
 def in_mask(pid, field, number):
@@ -45,9 +30,18 @@ def wait_until(condition, what, run, timeout=60):
 
 
 @pytest.mark.parametrize("moment", ["torchrun-importing-torch", "workers-starting"])
-def test_ctrl_c_during_start_up_is_one_line_and_exit_code_130(moment):
-    run = Run(["bash", ROOT / "run_ddp.sh", "--dataset", "synthetic", "--max-steps", "1", "--no-eval"],
-              env=launcher_env(NPROC_PER_NODE=2))
+def test_ctrl_c_during_start_up_is_one_line_and_exit_code_130(moment, tmp_path):
+    # No NPROC_PER_NODE: launch.sh counts the GPUs torch sees. nvidia-smi lists every GPU of the machine, also those
+    # CUDA_VISIBLE_DEVICES hides (here: all of them), so a fake one lists 8: with none for torch, 2 CPU processes.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text(
+        '#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo "GPU $i: NVIDIA H100 (UUID: GPU-$i)"; done\n')
+    (fake / "nvidia-smi").chmod(0o755)
+    env = launcher_env()
+    env.pop("NPROC_PER_NODE", None)
+    env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
+    run = Run(["bash", ROOT / "run_ddp.sh", "--dataset", "synthetic", "--max-steps", "1", "--no-eval"], env=env)
     launcher = run.process.pid  # bash execs torchrun (plumbing/torchrun.py): the launch is its process
     if moment == "torchrun-importing-torch":  # its first lines set a handler for SIGUSR1, which Python has not
         wait_until(lambda: alive(launcher) and in_mask(launcher, "SigCgt", signal.SIGUSR1), "torchrun's first handler", run)
@@ -57,6 +51,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_code_130(moment):
     os.killpg(launcher, signal.SIGINT)  # what a terminal does on Ctrl-C: the foreground process group
     run.wait(timeout=60)
     assert run.returncode == 130, run.output
+    assert "torchrun --standalone --nproc-per-node=2 " in run.output  # launch.sh's command line, said first
     assert our_lines(run.output) == ["stopped by SIGINT during start-up: nothing was trained or saved"], run.output
     deadline = time.monotonic() + 10  # the workers die with torchrun (PR_SET_PDEATHSIG): soon after it
     while any(alive(pid) for pid in processes) and time.monotonic() < deadline:

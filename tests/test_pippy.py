@@ -71,11 +71,18 @@ SHORT_RUN = ["--batch-size", "32", "--microbatches", "4", "--max-steps", "30", "
 
 
 @pytest.fixture(scope="module")
-def short_runs(mnist_dir, tmp_path_factory):
-    """The short run in bf16 and in fp32, started together: {precision: (run, metrics)}."""
-    out = tmp_path_factory.mktemp("short-runs")
+def short_runs_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("short-runs")
+
+
+@pytest.fixture(scope="module")
+def short_runs(mnist_dir, short_runs_dir):
+    """The short run in bf16 and in fp32, started together: {precision: (run, metrics)}. The fp32 run also saves its
+    weights and checkpoints at step 20 (epoch 1's end) and 30 in short_runs_dir/fp32/."""
+    out = short_runs_dir
+    fp32 = ["--checkpoint-every", "20", "--checkpoint-dir", out / "fp32" / "ck", "--save", out / "fp32" / "final.pt"]
     runs = {precision: torchrun("train_pippy.py", 2, *mnist_args(mnist_dir), *SHORT_RUN, "--precision", precision,
-                                "--metrics", out / f"{precision}.json")
+                                "--metrics", out / f"{precision}.json", *(fp32 if precision == "fp32" else []))
             for precision in ("bf16", "fp32")}
     return {precision: (succeeded(run), json.loads((out / f"{precision}.json").read_text()))
             for precision, run in runs.items()}
@@ -107,16 +114,16 @@ def test_the_pipeline_trains_in_bf16(short_runs):
     assert gap > 1e-4, (bf16, fp32)  # ... but rounds differently: it did run in bf16
 
 
-def test_a_run_resumed_at_an_epoch_end_evaluates_first_and_trains_on_as_if_never_stopped(mnist_dir, tmp_path):
+def test_a_run_resumed_at_an_epoch_end_evaluates_first_and_trains_on_as_if_never_stopped(short_runs, short_runs_dir,
+                                                                                          mnist_dir, tmp_path):
     # Resumed at step 20 (an epoch's end), the schedule's first call is the evaluation, then epoch 2 trains: on
     # torch 2.9 that left the stages without their backward set up (pytorch issue 162822).
-    flags = [*mnist_args(mnist_dir), "--batch-size", "32", "--microbatches", "4", "--epochs", "2",
-             "--checkpoint-every", "20", "--checkpoint-dir", tmp_path / "ck"]
-    succeeded(torchrun("train_pippy.py", 2, *flags, "--save", tmp_path / "whole.pt"))
-    shutil.rmtree(tmp_path / "ck" / "step-40")
-    resumed = succeeded(torchrun("train_pippy.py", 2, *flags, "--save", tmp_path / "resumed.pt"))
+    whole = short_runs_dir / "fp32"  # the fp32 short run: 30 steps, checkpoints at 20 and 30
+    shutil.copytree(whole / "ck" / "step-20", tmp_path / "ck" / "step-20")
+    resumed = succeeded(torchrun("train_pippy.py", 2, *mnist_args(mnist_dir), *SHORT_RUN, "--checkpoint-every", "20",
+                                 "--checkpoint-dir", tmp_path / "ck", "--save", tmp_path / "resumed.pt"))
     assert "resumed from" in resumed.output and "step-20 (step 20" in resumed.output, resumed.output
-    assert max_difference(load_weights(tmp_path / "resumed.pt"), load_weights(tmp_path / "whole.pt")) == 0
+    assert max_difference(load_weights(tmp_path / "resumed.pt"), load_weights(whole / "final.pt")) == 0
 
 
 BAD_LAYOUTS = {  # case: (processes, flags, the error line it must give); one process where the world size does not matter
