@@ -90,16 +90,16 @@ def main():
         ddp_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
                         gradient_as_bucket_view=True) if world_size > 1 else model
         no_sync = ddp_model.no_sync if world_size > 1 else nullcontext
-        peak_lr, lr_at = core.lr_schedule(args, global_batch_size, total_steps)
+        peak_lr, warmup_steps, lr_at = core.lr_schedule(args, global_batch_size, total_steps)
         optimizer = core.make_optimizer(args, model.parameters())
 
         # ---- resume: every rank loads its part of the newest checkpoint in --checkpoint-dir, if any ----
         checkpointer = hardening.Checkpointer(args, dataset.name, global_batch_size, device)
-        resumed = checkpointer.start(model, optimizer, peak_lr, log)  # collective: checks outputs, resumes
+        resumed = checkpointer.check_outputs_and_resume(model, optimizer, peak_lr, log)  # collective
         log(
             f"{f'DDP on {world_size} rank(s)' if world_size > 1 else 'one process, no DDP wrapper'} ({backend}, {device.type}): "
             f"batch {args.batch_size} per rank x grad-accum {args.grad_accum} x {world_size} ranks = global batch "
-            f"{global_batch_size}; peak lr {peak_lr:g}; "
+            f"{global_batch_size}; peak lr {peak_lr:g} after {warmup_steps} warmup steps; "
             f"{param_count:,} parameters; {args.precision}; {dataset.name}; {total_steps} steps"
         )
 
@@ -129,6 +129,8 @@ def main():
                         (loss / args.grad_accum).backward()  # the step's gradient is the mean over micro-steps
                     window_loss += loss.detach()
                     window_count += 1
+                if args.max_grad_norm:  # the gradients are all-reduced: each rank computes the same global norm
+                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 lr = lr_at(progress.step)  # a function of the step: resumes exactly
                 for group in optimizer.param_groups:
                     group["lr"] = lr
@@ -136,7 +138,9 @@ def main():
                 if progress.update(end_of_epoch=step_in_epoch == last - 1):
                     # One all-reduce per logging window, not per step: the mean loss over all ranks.
                     dist.all_reduce(window_loss)
-                    progress.record_loss(window_loss.item() / (window_count * world_size), "loss (all ranks)", lr)
+                    mean_loss = window_loss.item() / (window_count * world_size)
+                    norm = grad_norm.item() if args.max_grad_norm else None  # the last step's, before clipping
+                    progress.record_loss_or_raise_if_diverged(mean_loss, "loss (all ranks)", lr, norm)
                     window_loss.zero_()
                     window_count = 0
                     # A signal reaches the ranks at different steps: they compare here, and all stop at this one.
@@ -149,11 +153,13 @@ def main():
                     position = {"epoch": epoch, "samples_into_epoch": (step_in_epoch + 1) * global_batch_size}
                     checkpointer.save(progress.step, position, model, optimizer, peak_lr)  # collective: all ranks
                 if stop_signal and not last_step:  # at the last step it just finishes
-                    stop.stop(stop_signal, progress.step, total_steps, args.checkpoint_dir)  # exits
+                    stop.say_and_exit(stop_signal, progress.step, total_steps, args.checkpoint_dir)
 
             # ---- evaluate: each rank scores a slice of the test set; the sums are all-reduced ----
             if args.no_eval:
                 continue
+            for buffer in model.buffers():  # BatchNorm's running statistics, each rank's own: rank 0's, which it saves
+                dist.broadcast(buffer, src=0)
             model.eval()
             with autocast:
                 totals = data.evaluate(model, dataset.test, rank, world_size)  # loss sum, correct, count on this rank

@@ -10,9 +10,8 @@ Through the wrapper: `bash run_fsdp.sh [flags]`; for two nodes, on each node,
 
 What FSDP changes compared with train_ddp.py:
   setup  a device mesh: 1-D to shard over all ranks, 2-D (replicate x shard) for hybrid sharding
-  model  built on the meta device: no memory, no values yet
-  wrap   fully_shard() on each block, then on the root; then only the local shards are
-         materialised (to_empty) and initialised (reset_parameters)
+  wrap   fully_shard() on each block, then on the root: each rank keeps a shard of every
+         parameter (the model is built whole, as in train_ddp.py, so any model's init is right)
   loop   set_requires_gradient_sync(False) instead of no_sync(); bf16 through MixedPrecisionPolicy
   save   get_model_state_dict(full_state_dict=True) gathers the shards; rank 0 writes them
 Every collective is called here, or in a call marked "collective" (every rank must make it).
@@ -24,6 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -84,6 +84,9 @@ def main():
         if args.cpu_offload and device.type != "cuda":
             raise core.UsageError("--cpu-offload needs GPUs: it keeps shards in CPU memory for GPU compute, "
                                   "and here everything is on the CPU already")
+        if args.cpu_offload and args.max_grad_norm:  # the shards' gradients, and so their norm, are in CPU memory
+            raise core.UsageError("--max-grad-norm with --cpu-offload: the gradients' norm is on the CPU, where NCCL "
+                                  "cannot all-reduce it; drop one of them")
 
         # ---- data: the whole split on the device; DistributedSampler picks this rank's share ----
         dataset = data.load(found, device, dtype, log)  # collective: all ranks use the same files, or stop
@@ -102,14 +105,17 @@ def main():
         global_batch_size = samples_per_step * world_size
         total_steps = min(args.max_steps or steps_per_epoch * args.epochs, steps_per_epoch * args.epochs)
 
-        # ---- model: on the meta device, so the whole model never exists on one rank ----
+        # ---- model: whole on every rank, from the seed: the initial weights of train_ddp.py, for any model ----
+        # fully_shard below keeps only this rank's shard of each. (A model too big for one device is built on the
+        # meta device instead, and each shard initialised after sharding: docs/fsdp.md says when and how.)
         torch.manual_seed(args.seed)
-        model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device="meta",
+        model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device=device,
                         dtype=dtype)
         param_count = sum(p.numel() for p in model.parameters())
-        if args.compile:  # each block in place, so its class and parameter names stay (torchtitan compiles per block)
-            for block in model.blocks:
-                block.compile()
+        units = shard_units(model)  # [(parent, name)]: BabyCNN's 4 blocks
+        if args.compile:  # each unit in place, so its class and parameter names stay (torchtitan compiles per block)
+            for parent, name in units:
+                getattr(parent, name).compile()
             log("--compile: each block, without CUDA graphs (FSDP frees and re-gathers weights each step; a graph cannot)")
 
         # ---- wrap: shard each block (one all-gather unit each), then the root ----
@@ -122,32 +128,29 @@ def main():
             offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy(),
         )
         reshard = args.sharding != "grad-op"  # grad-op keeps gathered weights from forward until backward
-        last_block = len(model.blocks) - 1
-        for index, block in enumerate(model.blocks):
+        for index, (parent, name) in enumerate(units):
+            block = getattr(parent, name)
             if args.activation_checkpointing:
                 # Keep only the block's input for backward, which recomputes the rest with the weights it gathers
                 # anyway. Per block, before fully_shard, as torchtitan does; the wrapper's state-dict hooks drop
                 # its "_checkpoint_wrapped_module." from parameter names, so files and checkpoints are unchanged.
-                block = model.blocks[index] = checkpoint_wrapper(block)
+                block = checkpoint_wrapper(block)
+                setattr(parent, name, block)
             # Backward starts with the last block: resharding it after forward would only gather it again.
-            fully_shard(block, reshard_after_forward=reshard and index != last_block, **fsdp_options)
+            fully_shard(block, reshard_after_forward=reshard and index != len(units) - 1, **fsdp_options)
         fully_shard(model, reshard_after_forward=reshard, **fsdp_options)
-        # Materialise and initialise only this rank's shards: BabyCNN seeds every row, so the values
-        # are the ones train_ddp.py's model gets for the same --seed.
-        model.to_empty(device="cpu" if args.cpu_offload else device)
-        model.reset_parameters()
-        peak_lr, lr_at = core.lr_schedule(args, global_batch_size, total_steps)
+        peak_lr, warmup_steps, lr_at = core.lr_schedule(args, global_batch_size, total_steps)
         optimizer = core.make_optimizer(args, model.parameters())
 
         # ---- resume: every rank loads its part of the newest checkpoint in --checkpoint-dir, if any ----
         checkpointer = hardening.Checkpointer(args, dataset.name, global_batch_size, device)
-        resumed = checkpointer.start(model, optimizer, peak_lr, log)  # collective: checks outputs, resumes
+        resumed = checkpointer.check_outputs_and_resume(model, optimizer, peak_lr, log)  # collective
         recompute = ", activation checkpointing" if args.activation_checkpointing else ""
         log(
             f"FSDP ({args.sharding}{recompute}, mesh {tuple(mesh.shape)}) on {world_size} rank(s) "
             f"({backend}, {device.type}): "
             f"batch {args.batch_size} per rank x grad-accum {args.grad_accum} x {world_size} ranks = global batch "
-            f"{global_batch_size}; peak lr {peak_lr:g}; "
+            f"{global_batch_size}; peak lr {peak_lr:g} after {warmup_steps} warmup steps; "
             f"{param_count:,} parameters; {args.precision}; {dataset.name}; {total_steps} steps"
         )
 
@@ -176,6 +179,11 @@ def main():
                     (loss / args.grad_accum).backward()  # the step's gradient is the mean over micro-steps
                     window_loss += loss.detach()
                     window_count += 1
+                if args.max_grad_norm:
+                    grads = [p.grad for p in model.parameters() if p.grad is not None]
+                    grad_norm = torch.nn.utils.get_total_norm(grads)  # of this rank's shards: a DTensor, "Partial"
+                    grad_norm = grad_norm.full_tensor()  # collective: all-reduces the shards' norms into the global one
+                    torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.max_grad_norm, grad_norm)
                 lr = lr_at(progress.step)  # a function of the step: resumes exactly
                 for group in optimizer.param_groups:
                     group["lr"] = lr
@@ -183,7 +191,9 @@ def main():
                 if progress.update(end_of_epoch=step_in_epoch == last - 1):
                     # One all-reduce per logging window, not per step: the mean loss over all ranks.
                     dist.all_reduce(window_loss)
-                    progress.record_loss(window_loss.item() / (window_count * world_size), "loss (all ranks)", lr)
+                    mean_loss = window_loss.item() / (window_count * world_size)
+                    norm = grad_norm.item() if args.max_grad_norm else None  # the last step's, before clipping
+                    progress.record_loss_or_raise_if_diverged(mean_loss, "loss (all ranks)", lr, norm)
                     window_loss.zero_()
                     window_count = 0
                     # A signal reaches the ranks at different steps: they compare here, and all stop at this one.
@@ -196,11 +206,13 @@ def main():
                     position = {"epoch": epoch, "samples_into_epoch": (step_in_epoch + 1) * global_batch_size}
                     checkpointer.save(progress.step, position, model, optimizer, peak_lr)  # collective: all ranks
                 if stop_signal and not last_step:  # at the last step it just finishes
-                    stop.stop(stop_signal, progress.step, total_steps, args.checkpoint_dir)  # exits
+                    stop.say_and_exit(stop_signal, progress.step, total_steps, args.checkpoint_dir)
 
             # ---- evaluate: each rank scores a slice of the test set; the sums are all-reduced ----
             if args.no_eval:
                 continue
+            for buffer in model.buffers():  # BatchNorm's running statistics, each rank's own: rank 0's, which it saves
+                dist.broadcast(buffer, src=0)
             model.eval()
             totals = data.evaluate(model, dataset.test, rank, world_size)  # each forward all-gathers: every rank
             dist.all_reduce(totals)
@@ -236,6 +248,22 @@ def main():
         # none), or gloo's threads live into interpreter shutdown, where they may abort the process
         getattr(mesh, "_pg_registry", {}).clear()
         dist.destroy_process_group()
+
+
+def shard_units(model):
+    """The submodules fully_shard makes units of, as (parent, name): each child of the model that has parameters, and
+    for a child that is a list of layers (nn.Sequential, nn.ModuleList: BabyCNN's blocks, a ResNet's stages), each
+    layer in it. Forward gathers one unit's weights at a time; the rest is sharded with the root."""
+    def has_parameters(module):
+        return next(module.parameters(), None) is not None
+
+    units = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.Sequential, nn.ModuleList)):
+            units += [(child, n) for n, layer in child.named_children() if has_parameters(layer)]
+        elif has_parameters(child):
+            units.append((model, name))
+    return units
 
 
 if __name__ == "__main__":

@@ -180,17 +180,17 @@ def main():
         # would shrink the earlier micro-steps' gradients again at each later one.
         schedule = schedule_class(stages[0] if stages_kind == "one" else stages, n_microbatches=args.microbatches,
                                   loss_fn=loss_fn, scale_grads=False)
-        peak_lr, lr_at = core.lr_schedule(args, global_batch_size, total_steps)
+        peak_lr, warmup_steps, lr_at = core.lr_schedule(args, global_batch_size, total_steps)
         optimizer = core.make_optimizer(args, model.parameters())
 
         # ---- resume: every rank loads its part of the newest checkpoint in --checkpoint-dir, if any ----
         checkpointer = hardening.Checkpointer(args, dataset.name, global_batch_size, device)
-        resumed = checkpointer.start(model, optimizer, peak_lr, log)  # collective: checks outputs, resumes
+        resumed = checkpointer.check_outputs_and_resume(model, optimizer, peak_lr, log)  # collective
         log(
             f"pipeline ({args.schedule}, {num_stages} stages: blocks {stage_blocks}) x {args.data_parallel} replica(s) "
             f"on {world_size} rank(s) ({backend}, {device.type}): batch {args.batch_size} per replica in "
             f"{args.microbatches} microbatches x grad-accum {args.grad_accum} x {args.data_parallel} replicas = global "
-            f"batch {global_batch_size}; peak lr {peak_lr:g}; "
+            f"batch {global_batch_size}; peak lr {peak_lr:g} after {warmup_steps} warmup steps; "
             f"{param_count:,} parameters; {args.precision}; {dataset.name}; {total_steps} steps"
         )
 
@@ -226,6 +226,12 @@ def main():
                     dist.all_reduce(flat, group=mesh.get_group("dp"))
                     torch._foreach_copy_(grads, [part.view_as(g) / args.data_parallel
                                                  for g, part in zip(grads, flat.split([g.numel() for g in grads]))])
+                if args.max_grad_norm:  # the norm of the whole model: every stage's gradients, on every pipeline rank
+                    grads = [p.grad for p in model.parameters() if p.grad is not None]
+                    squares = torch.nn.utils.get_total_norm(grads) ** 2  # this rank's stages only
+                    dist.all_reduce(squares, group=pp_group)  # their sum over the pipeline ranks (replicas agree)
+                    grad_norm = squares.sqrt()
+                    torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.max_grad_norm, grad_norm)
                 lr = lr_at(progress.step)  # a function of the step: resumes exactly
                 for group in optimizer.param_groups:
                     group["lr"] = lr
@@ -233,8 +239,9 @@ def main():
                 if progress.update(end_of_epoch=step_in_epoch == last - 1):
                     # Only last stages hold a loss (others add 0): the all-reduce brings it to rank 0.
                     dist.all_reduce(window_loss)
-                    progress.record_loss(window_loss.item() / (window_count * args.data_parallel), "loss (last stage)",
-                                         lr)
+                    mean_loss = window_loss.item() / (window_count * args.data_parallel)
+                    norm = grad_norm.item() if args.max_grad_norm else None  # the last step's, before clipping
+                    progress.record_loss_or_raise_if_diverged(mean_loss, "loss (last stage)", lr, norm)
                     window_loss.zero_()
                     window_count = 0
                     # A signal reaches the ranks at different steps: they compare here, and all stop at this one.
@@ -247,7 +254,7 @@ def main():
                     position = {"epoch": epoch, "samples_into_epoch": (step_in_epoch + 1) * global_batch_size}
                     checkpointer.save(progress.step, position, model, optimizer, peak_lr)  # collective: all ranks
                 if stop_signal and not last_step:  # at the last step it just finishes
-                    stop.stop(stop_signal, progress.step, total_steps, args.checkpoint_dir)  # exits
+                    stop.say_and_exit(stop_signal, progress.step, total_steps, args.checkpoint_dir)
 
             # ---- evaluate: each replica scores a slice of the test set; the sums are all-reduced ----
             if args.no_eval:

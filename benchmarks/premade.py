@@ -21,7 +21,7 @@ def optimizer(parameters):
     (the scripts set the lr in their loop, step by step: a step at another lr costs the same)."""
     args = core.parser("benchmark").parse_args([])
     optimizer = core.make_optimizer(args, parameters)
-    peak_lr, _ = core.lr_schedule(args, args.base_batch_size, total_steps=1)
+    peak_lr, _, _ = core.lr_schedule(args, args.base_batch_size, total_steps=1)
     for group in optimizer.param_groups:
         group["lr"] = peak_lr
     return optimizer

@@ -64,7 +64,10 @@ def parser(description, *more):  # the flags all three scripts share, then those
     add("--weight-decay", type=number(float, 0), help="(default: 0.01 for adamw, 5e-4 for sgd)")
     add("--scale-lr", action="store_true", help="linear scaling rule: lr *= global_batch_size / base_batch_size")
     add("--base-batch-size", type=number(int, 1), default=64, help="the global batch size --lr was tuned for")
-    add("--warmup-steps", type=number(int, 0), default=100, help="ramp the lr linearly over this many optimizer steps")
+    add("--warmup-steps", type=number(int, 0), help="ramp the lr linearly over this many optimizer steps, at most half "
+        "the run (default: 100, or a fifth of a run shorter than 500 steps)")
+    add("--max-grad-norm", type=number(float, 0, above_low=True), help="clip the gradients to this global L2 norm "
+        "(default: no clipping); the log shows the norm before clipping")
     add("--device", choices=("auto", "cuda", "cpu"), default="auto",
         help="auto: the GPU cuda:LOCAL_RANK when CUDA is available (NCCL), else the CPU (gloo)")
     add("--precision", choices=("fp32", "bf16", "fp64"), default="fp32",
@@ -87,13 +90,17 @@ def parser(description, *more):  # the flags all three scripts share, then those
 
 
 def lr_schedule(args, global_batch_size, total_steps):
-    """The peak lr (--scale-lr: by the linear scaling rule), and the lr of step 0, 1, ...: a linear warmup to the peak,
-    then constant or a cosine decay to 0 at total_steps. Of the step alone, so a resumed run goes on exactly."""
+    """The peak lr (--scale-lr: by the linear scaling rule), the warmup's steps (more than half the run: a UsageError),
+    and the lr of step 0, 1, ...: a linear warmup to the peak, then constant or a cosine decay to 0 at total_steps."""
     peak = args.lr if args.lr is not None else {"adamw": 3e-3, "sgd": 0.01}[args.optimizer]
     peak *= global_batch_size / args.base_batch_size if args.scale_lr else 1
+    warmup = min(100, total_steps // 5) if args.warmup_steps is None else args.warmup_steps
+    if 2 * warmup > total_steps:
+        raise UsageError(f"--warmup-steps {warmup} is more than half of this run's {total_steps} steps: the lr would "
+                         f"stay below its peak {peak:g} for most of the run; give at most {total_steps // 2}, or 0")
     cosine = args.lr_schedule == "cosine"
     decay = (lambda s: 0.5 + 0.5 * math.cos(math.pi * s / total_steps)) if cosine else (lambda s: 1.0)
-    return peak, lambda step: peak * min(1.0, (step + 1) / (args.warmup_steps + 1)) * decay(step)
+    return peak, warmup, lambda step: peak * min(1.0, (step + 1) / (warmup + 1)) * decay(step)
 
 
 def make_optimizer(args, parameters):  # fused AdamW, foreach SGD (fused has no DTensor rule): not a Python loop
@@ -172,6 +179,7 @@ class Progress:
         self.total_steps, self.global_batch_size, self.log_every = total_steps, global_batch_size, log_every
         self.start_step = self.step = start_step  # a resumed run counts on from its checkpoint
         self.train_seconds, self.loss_curve, self.final_train_loss = 0.0, [], float("nan")
+        self.grad_norms = []  # [step, the gradient norm before clipping] at each logging step, if clipped
         self.log, self.synchronize = log, torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def start_epoch(self):  # the clock runs from here to each logging step: every epoch ends with one
@@ -182,7 +190,7 @@ class Progress:
         self.step += 1
         return self.step % self.log_every == 0 or self.step == self.total_steps or end_of_epoch
 
-    def record_loss(self, loss, label, lr):
+    def record_loss_or_raise_if_diverged(self, loss, label, lr, grad_norm=None):  # a UsageError on a NaN or inf loss
         self.synchronize()
         self.train_seconds, self.started = self.train_seconds + time.perf_counter() - self.started, time.perf_counter()
         if not math.isfinite(loss):  # every rank holds the same all-reduced value, so all stop here
@@ -190,11 +198,14 @@ class Progress:
                              "--warmup-steps (no weights were saved)")
         self.final_train_loss = loss
         self.loss_curve.append([self.step, loss, self.train_seconds])
-        self.log(f"step {self.step}/{self.total_steps}: {label} {loss:.4f}, lr {lr:.3g}, {self.rate():,.0f} samples/s")
+        self.grad_norms += [[self.step, grad_norm]] if grad_norm is not None else []
+        norm = f", grad norm {grad_norm:.4g}" if grad_norm is not None else ""
+        self.log(f"step {self.step}/{self.total_steps}: {label} {loss:.4f}, lr {lr:.3g}{norm}, "
+                 f"{self.rate():,.0f} samples/s")
 
     def rate(self):  # samples per second of training
         return (self.step - self.start_step) * self.global_batch_size / max(self.train_seconds, 1e-9)
 
     def summary(self):
         return {"steps": self.step, "train_seconds": self.train_seconds, "samples_per_second": self.rate(),
-                "final_train_loss": self.final_train_loss, "loss_curve": self.loss_curve}
+                "final_train_loss": self.final_train_loss, "loss_curve": self.loss_curve, "grad_norms": self.grad_norms}

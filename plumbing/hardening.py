@@ -86,7 +86,7 @@ class StopSignals:
                     os._exit(128 + number)
 
     @staticmethod
-    def stop(number, step, total_steps, checkpoint_dir):  # exit code 128 + the signal: schedulers requeue the job
+    def say_and_exit(number, step, total_steps, checkpoint_dir):  # exit code 128 + the signal: schedulers requeue the job
         saved = (f"checkpoint step-{step} is in {checkpoint_dir}; the same command resumes there" if checkpoint_dir
                  else "nothing was saved (no --checkpoint-dir)")
         say(f"stopped by {signal.Signals(number).name} at step {step} of {total_steps}: {saved}")
@@ -117,7 +117,7 @@ class Checkpointer:
                            "files": files}, os.path.join(temporary, "checkpoint.json"))
                 shutil.rmtree(final, ignore_errors=True)  # the same step saved before (a rerun)
                 os.replace(temporary, final)
-                for old in self._complete()[: -self.args.keep_checkpoints]:
+                for old in self._remove_strays_and_list_complete()[: -self.args.keep_checkpoints]:
                     shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
         except (OSError, RuntimeError, UsageError, CheckpointException) as error:  # a full disk, a read-only directory
             cause = next(iter(getattr(error, "failures", {}).values()), [error])[0]  # DCP's: {rank: (error, trace)}
@@ -134,13 +134,13 @@ class Checkpointer:
         return {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(self.device)}
                                                  if self.device.type == "cuda" else {})}
 
-    def _complete(self):  # names of complete checkpoints, oldest first; a save that crashed left .tmp-step-<N>
+    def _remove_strays_and_list_complete(self):  # deletes crashed saves' .tmp-step-<N>; complete ones, oldest first
         names = os.listdir(self.directory) if self.directory and os.path.isdir(self.directory) else []
         for stray in (n for n in names if n.startswith(".tmp-step-")):
             shutil.rmtree(os.path.join(self.directory, stray), ignore_errors=True)
         return sorted((n for n in names if n.startswith("step-") and n[5:].isdigit()), key=lambda n: int(n[5:]))
 
-    def start(self, model, optimizer, peak_lr, log):
+    def check_outputs_and_resume(self, model, optimizer, peak_lr, log):
         """Collective: rank 0 checks that the outputs can be written and finds the newest intact checkpoint; every rank
         loads its part. Returns where training goes on: step, epoch, samples_into_epoch."""
         verdict = [None]
@@ -199,7 +199,7 @@ class Checkpointer:
 
     def _newest_intact(self, log):  # on rank 0: (path, checkpoint.json) or None; damaged newer ones are set aside
         damaged = []  # (path, what is wrong), newest first
-        for name in reversed(self._complete()):
+        for name in reversed(self._remove_strays_and_list_complete()):
             path = os.path.join(self.directory, name)
             info, problem = _verify(path, self.layout)
             if problem is None:

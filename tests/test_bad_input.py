@@ -223,3 +223,18 @@ def test_a_checkpoint_directory_made_read_only_mid_run_is_one_line(mnist_dir, tm
         assert list((tmp_path / "ck").iterdir()) == []
     finally:
         (tmp_path / "ck").chmod(0o755)
+
+
+def test_a_warmup_longer_than_half_the_run_is_refused_and_the_default_one_is_shortened():
+    # Refused where the run's length is known (core.lr_schedule, after the data): one line on rank 0, as any
+    # UsageError found after init_process_group (batch-over-shard above).
+    args = core.parser("test").parse_args(["--warmup-steps", "17"])
+    with pytest.raises(core.UsageError) as refused:
+        core.lr_schedule(args, 64, total_steps=32)
+    assert str(refused.value) == ("--warmup-steps 17 is more than half of this run's 32 steps: the lr would stay below "
+                                  "its peak 0.003 for most of the run; give at most 16, or 0")
+    # The default: 100 steps, or a fifth of a shorter run; the lr reaches the peak when the warmup ends.
+    default = core.parser("test").parse_args(["--lr-schedule", "constant"])
+    for total_steps, warmup in ((32, 6), (499, 99), (5000, 100)):
+        peak, warmup_steps, lr_at = core.lr_schedule(default, 64, total_steps)
+        assert warmup_steps == warmup and lr_at(warmup - 1) < peak == lr_at(warmup), (total_steps, warmup_steps)

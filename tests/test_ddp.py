@@ -23,7 +23,11 @@ def two_ranks(mnist_dir, tmp_path_factory):
     return load_weights(path)
 
 
-def test_saved_weights_load_into_a_plain_babycnn_and_moved_away_from_the_initial_ones(reference, reference_run):
+def test_saved_weights_load_into_a_plain_babycnn_and_moved_away_from_the_initial_ones(reference, reference_run,
+                                                                                       reference_metrics):
+    # --max-grad-norm 1 clipped the steps the run logged (every layout's equivalence checks clipping too)
+    assert [step for step, _ in reference_metrics["grad_norms"]] == [8, 16, 20, 24]
+    assert all(norm > 1.1 for _, norm in reference_metrics["grad_norms"]), reference_metrics["grad_norms"]
     umask = os.umask(0)
     os.umask(umask)
     assert (reference_run / "reference.pt").stat().st_mode & 0o777 == 0o666 & ~umask  # readable as open() makes files
@@ -111,6 +115,8 @@ def test_short_run_learns_with_all_reduced_loss_and_metrics(mnist_dir, tmp_path)
     assert metrics["dataset"] == "mnist"
     assert metrics["world_size"] == 2 and metrics["global_batch_size"] == 64
     assert metrics["peak_lr"] == pytest.approx(2e-3)  # linear scaling rule: 1e-3 * 64 / 32
+    # 100 steps: the default warmup is a fifth of them, not 100 (which would leave the lr below its peak throughout)
+    assert "peak lr 0.002 after 20 warmup steps;" in run.output, run.output
     assert metrics["steps"] == 10 * (640 // 2 // 32)
     curve = [loss for _, loss, _ in metrics["loss_curve"]]
     assert curve[-1] < curve[0] / 3, curve

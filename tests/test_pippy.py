@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import (
-    EQUIVALENCE, assert_one_line_error, assert_same_math, launch, load_weights, max_difference, mnist_args, succeeded,
-    torchrun,
+    CONTROL_FLOOR, EQUIVALENCE, ROOT, assert_one_line_error, assert_same_math, launch, load_weights, max_difference,
+    mnist_args, relative_difference, succeeded, torchrun,
 )
 
 ACCUMULATE = ["--batch-size", "16", "--grad-accum", "2", "--microbatches", "4"]  # 2 micro-steps of 4 microbatches
@@ -28,6 +28,18 @@ LAYOUTS = {
     "1f1b-2-stages-x-2-replicas-accumulate": (4, ["--schedule", "1f1b", "--data-parallel", "2", "--batch-size", "8",
                                                   "--grad-accum", "2", "--microbatches", "4"]),
 }
+
+
+def test_a_clip_by_each_stage_own_norm_is_far_from_one_process(reference, mnist_dir, tmp_path):
+    """The negative control of the clipping above: train_pippy.py with the all-reduce of its gradient norm taken out,
+    so that each stage clips by the norm of its own gradients (torchtitan issue 596, pytorch issue 162638)."""
+    source = (ROOT / "train_pippy.py").read_text()
+    line = "dist.all_reduce(squares, group=pp_group)"
+    assert source.count(line) == 1
+    (tmp_path / "train_pippy.py").write_text(source.replace(line, "pass"))
+    succeeded(torchrun(tmp_path / "train_pippy.py", 2, *mnist_args(mnist_dir), *EQUIVALENCE, *LAYOUTS["1f1b-2-accumulate"][1],
+                       "--save", tmp_path / "per_stage.pt"))
+    assert relative_difference(load_weights(tmp_path / "per_stage.pt"), reference) > CONTROL_FLOOR
 
 
 def neighbours_refused(schedule):
@@ -55,6 +67,10 @@ def test_every_schedule_matches_one_ddp_process(name, reference, reference_metri
     assert [s for s, _, _ in metrics["loss_curve"]] == [s for s, _, _ in reference_metrics["loss_curve"]]
     for (_, mine, _), (_, theirs, _) in zip(metrics["loss_curve"], reference_metrics["loss_curve"]):
         assert mine == pytest.approx(theirs, rel=1e-5)
+    # The gradient norm it logs (before clipping) is the whole model's, over every stage: the reference's.
+    assert [s for s, _ in metrics["grad_norms"]] == [s for s, _ in reference_metrics["grad_norms"]]
+    for (_, mine), (_, theirs) in zip(metrics["grad_norms"], reference_metrics["grad_norms"]):
+        assert mine == pytest.approx(theirs, rel=1e-9)
     if "--no-eval" not in flags:  # evaluation also runs through the pipeline
         assert metrics["test_accuracy"] == pytest.approx(reference_metrics["test_accuracy"], abs=1e-9)
     # Every stage is placed exactly once per replica; together they hold all four blocks.

@@ -7,13 +7,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from conftest import ROOT, Run, child_env, succeeded
+from conftest import CONTROL_FLOOR, ROOT, TOLERANCE, Run, child_env, load_weights, relative_difference, succeeded
 
 SCRIPTS = ["train_ddp.py", "train_fsdp.py", "train_pippy.py"]
 # What a copy carries besides the script, its model and its data: 400 lines for issue 20; issue 22's one-line endings
-# (each failed rank's error file for the launcher, a full disk said as one) took 50 more.
-MAX_LINES = 450
+# (each failed rank's error file for the launcher, a full disk said as one) took 50 more, issue 29's gradient clipping
+# and warmup rule 10 more.
+MAX_LINES = 460
 MAX_HIDDEN_COLLECTIVES = 6  # collective calls outside the scripts
 # The collectives of torch.distributed, and DCP's save and load, which are collectives too.
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
@@ -50,24 +52,49 @@ def apply_diff(text, diff):
 
 
 def test_a_copied_script_trains_another_model_on_other_data(tmp_path):
+    """The README's recipe, for train_ddp.py and train_fsdp.py: its model is stock PyTorch (default init, BatchNorm),
+    not BabyCNN. Both copies learn, and in float64 FSDP ends with DDP's weights and running statistics, and the same
+    test loss (both evaluate with rank 0's statistics). The control: the FSDP copy from other initial weights (--seed
+    1; what FSDP's old init on the meta device gave such a model), on one process, lands far away."""
     section = copy_section()
     (copy_commands,), (user_file,) = fenced(section, "bash"), fenced(section, "python")
     (diff,) = fenced(section, "diff")
-    subprocess.run(["bash", "-euc", copy_commands], cwd=ROOT, env={**child_env(), "HOME": str(tmp_path)}, check=True)
+    subprocess.run(["bash", "-euc", copy_commands + "cp train_fsdp.py ~/myproject/\n"], cwd=ROOT,
+                   env={**child_env(), "HOME": str(tmp_path)}, check=True)
     project = tmp_path / "myproject"
     (project / "mymodel.py").write_text(user_file)
-    script = project / "train_ddp.py"
-    script.write_text(apply_diff(script.read_text(), diff))
+    for script in ("train_ddp.py", "train_fsdp.py"):
+        (project / script).write_text(apply_diff((project / script).read_text(), diff))
     assert sorted(p.name for p in (project / "models").iterdir()) == ["data.py"]  # no BabyCNN: not needed
     command = re.search(r"`(torchrun [^`]*train_ddp\.py[^`]*)`", section).group(1).split()
     env = child_env(PYTHONPATH=project)  # the copy's own models/ and plumbing/, not this repository's
-    run = succeeded(Run([sys.executable, "-m", "torch.distributed.run", *command[1:], "--metrics", "m.json"],
-                        env=env, cwd=project))
-    metrics = json.loads((project / "m.json").read_text())
-    assert metrics["dataset"] == "clusters" and metrics["world_size"] == 2
-    assert metrics["param_count"] == 2 * 64 + 64 + 64 * 4 + 4  # the copy's model, not BabyCNN
-    assert metrics["test_accuracy"] > 0.9, metrics  # chance is 0.25
-    assert "DDP on 2 rank(s)" in run.output
+    exact = ["--precision", "fp64", "--log-every", "10"]
+    runs = {}
+    for script in ("train_ddp.py", "train_fsdp.py"):
+        args = [arg.replace("train_ddp.py", script) for arg in command[1:]]
+        runs[script] = Run([sys.executable, "-m", "torch.distributed.run", *args, *exact, "--save", f"{script}.pt",
+                            "--metrics", f"{script}.json"], env=env, cwd=project)
+    control = Run([sys.executable, "train_fsdp.py", *command[command.index("train_ddp.py") + 1:], *exact,
+                   "--seed", "1", "--save", "control.pt"], env=env, cwd=project)
+    metrics = {}
+    for script, run in runs.items():
+        succeeded(run)
+        metrics[script] = json.loads((project / f"{script}.json").read_text())
+        assert metrics[script]["dataset"] == "clusters" and metrics[script]["world_size"] == 2
+        # the copy's model, not BabyCNN: two linear layers and BatchNorm's scale and shift
+        assert metrics[script]["param_count"] == 2 * 64 + 64 + 2 * 64 + 64 * 4 + 4
+        assert metrics[script]["test_accuracy"] > 0.9, metrics[script]  # chance is 0.25
+    assert "DDP on 2 rank(s)" in runs["train_ddp.py"].output and "FSDP (full" in runs["train_fsdp.py"].output
+    succeeded(control)
+    ddp, fsdp = (load_weights(project / f"{script}.pt") for script in ("train_ddp.py", "train_fsdp.py"))
+    assert "layers.1.running_mean" in fsdp
+    user = {}
+    exec(user_file, user)  # the user's Net, as the scripts build it: --seed 0, then float64
+    torch.manual_seed(0)
+    initial = user["Net"]().double().state_dict()
+    assert relative_difference(load_weights(project / "control.pt"), ddp, initial) > CONTROL_FLOOR
+    assert relative_difference(fsdp, ddp, initial) < TOLERANCE
+    assert metrics["train_fsdp.py"]["test_loss"] == pytest.approx(metrics["train_ddp.py"]["test_loss"], rel=1e-9)
 
 
 def project_imports(path, seen=None):
@@ -89,7 +116,7 @@ def project_imports(path, seen=None):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_a_copy_carries_at_most_450_lines_besides_model_and_data(script):
+def test_a_copy_carries_at_most_460_lines_besides_model_and_data(script):
     carried = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines())
                for p in project_imports(ROOT / script) if p.parent.name != "models"}
     assert set(carried) == {"plumbing/__init__.py", "plumbing/core.py", "plumbing/hardening.py"}, carried
@@ -136,7 +163,7 @@ def collective_calls_in(node):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_call_that_leads_to_a_collective_says_so(script):
     hidden = collective_functions()
-    assert {"load", "save", "start"} <= hidden  # data.load, Checkpointer.save and .start, at least
+    assert {"load", "save", "check_outputs_and_resume"} <= hidden  # data.load, Checkpointer.save, ..., at least
     lines = (ROOT / script).read_text().splitlines()
     unmarked = []
     for node in ast.walk(ast.parse("\n".join(lines))):
