@@ -71,7 +71,8 @@ def add_arguments(parser):
     add = parser.add_argument
     add("--dataset", choices=("auto", "synthetic", *_TORCHVISION), default="auto",
         help="auto: the MNIST files in models/mnist/, no network; mnist: a copy in --data-dir; synthetic: for tests")
-    add("--data-dir", default="./data", help="where torchvision datasets are read from and downloaded to")
+    add("--data-dir", help="where mnist, fashion-mnist and cifar10 are read from and downloaded to (default: ./data); "
+        "not with --dataset auto")
     add("--no-download", action="store_true", help="never use the network; use only files already in --data-dir")
 
 
@@ -80,7 +81,10 @@ def find(name, data_dir, download=True):
     first, when missing and allowed), or what is wrong with them. Call it before the process group exists: a
     download may outlast any collective's timeout. The processes sharing a ``data_dir`` take turns (a file lock),
     so one downloads and the others then find the files."""
-    data_dir = BUNDLED if name == "auto" else data_dir  # auto: the copy that ships with the project
+    if name == "auto" and data_dir is not None:  # never read: say so, rather than train on other data than asked
+        raise DataError(f"--data-dir {data_dir} is not read with --dataset auto, which trains on the MNIST files in "
+                        f"{BUNDLED}: add --dataset mnist to train on the MNIST files in {data_dir}")
+    data_dir = BUNDLED if name == "auto" else data_dir or "./data"  # auto: the copy that ships with the project
     found = {"name": name, "data_dir": os.path.abspath(data_dir), "missing": None, "broken": None,
              "node": f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"}
     if name == "synthetic":

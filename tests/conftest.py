@@ -151,7 +151,7 @@ def mnist_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
     raw = root / "MNIST" / "raw"
     raw.mkdir(parents=True)
-    (train_x, train_y), (test_x, test_y) = data.find("auto", root, download=False)["splits"]
+    (train_x, train_y), (test_x, test_y) = data.find("auto", None, download=False)["splits"]
     for prefix, images, labels, count in (("train", train_x, train_y, 640), ("t10k", test_x, test_y, 300)):
         _write_idx(raw / f"{prefix}-images-idx3-ubyte", images[:count, 0])
         _write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels[:count])

@@ -29,7 +29,7 @@ def test_the_bundled_files_are_the_original_mnist():
         assert (len(raw), hashlib.md5(raw).hexdigest()) == (size, md5), name
     if SHARED.exists():  # the checkout's own table is the one the files came with
         assert checksums(SHARED) == table
-    found = data.find("auto", "/nonexistent", download=False)
+    found = data.find("auto", None, download=False)
     (train_images, train_labels), (test_images, test_labels) = found["splits"]
     assert train_images.shape == (60000, 1, 28, 28) and test_images.shape == (10000, 1, 28, 28)
     counts = re.search(r"training set \(digits 0–9\): ([\d ]+);\s+test set: ([\d ]+)\.", (BUNDLED / "README.md").read_text())
@@ -39,11 +39,15 @@ def test_the_bundled_files_are_the_original_mnist():
 
 def test_auto_trains_on_the_bundled_digits_with_no_network_and_no_data_dir(tmp_path):
     metrics = tmp_path / "metrics.json"
-    run = succeeded(python("train_ddp.py", "--data-dir", tmp_path / "nothing-here", "--no-download", "--max-steps",
-                           "30", "--log-every", "10", "--no-eval", "--metrics", metrics))
+    run = succeeded(python("train_ddp.py", "--no-download", "--max-steps", "30", "--log-every", "10", "--no-eval",
+                           "--metrics", metrics))
     assert "; mnist; 30 steps" in run.output
     assert json.loads(metrics.read_text())["dataset"] == "mnist"
-    assert not (tmp_path / "nothing-here").exists()  # nothing written, nothing downloaded
+    # A --data-dir would not be read: refused (before any process group), not passed over.
+    with pytest.raises(data.DataError, match=r"^--data-dir mine is not read with --dataset auto, which trains on the "
+                                             r"MNIST files in .*models/mnist: add --dataset mnist to train on the MNIST "
+                                             r"files in mine$"):
+        data.find("auto", "mine")
 
 
 @pytest.mark.parametrize("compressed", [True, False])
