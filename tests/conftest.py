@@ -158,10 +158,10 @@ def mnist_dir(tmp_path_factory):
     return root
 
 
-# SGD with momentum, a warmup and gradient clipping (every step's gradient norm is above 1 here, so the
-# norm of the whole model over all ranks and stages scales every step), crossing an epoch boundary
-# (20 steps per epoch at global batch 32), in float64. Equivalent layouts do the same math in another summation order (half-batches, then an
-# all-reduce, a reduce-scatter, microbatches). In float32 that order leaves ~1e-7 differences, and an
+# SGD with momentum, a warmup and gradient clipping (every step's gradient norm is above 1 here, 7.9
+# or more, so the norm of the whole model over all ranks and stages scales every step), crossing an
+# epoch boundary (20 steps per epoch at global batch 32), in float64. Equivalent layouts do the same
+# math in another summation order (half-batches, then an all-reduce, a reduce-scatter, microbatches). In float32 that order leaves ~1e-7 differences, and an
 # activation that close to a ReLU or max-pool kink takes the other branch on one side: one such flip
 # moves a layer's gradient by ~1e-4 of its size, and later steps amplify it (measured here: 1e-6 after
 # 2 steps, 3e-4 after 3, 8e-4 after 6 with ATEN_CPU_CAPABILITY=default). Which CPU, kernel and seed

@@ -18,8 +18,8 @@ from conftest import (
 )
 def test_sharded_training_matches_one_ddp_process_at_the_same_global_batch(ranks, layout, reference, control, mnist_dir,
                                                                           tmp_path):
-    # Built on meta and initialised shard by shard, the model must start from DDP's initial weights
-    # and follow the same 24 steps: global batch 32 in every case.
+    # Built whole from the seed, then sharded, the model must start from DDP's initial weights and
+    # follow the same 24 steps: global batch 32 in every case.
     path, metrics_path = tmp_path / "fsdp.pt", tmp_path / "metrics.json"
     batch = str(32 // ranks)
     run = torchrun("train_fsdp.py", ranks, *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", batch, *layout,

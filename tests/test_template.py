@@ -55,7 +55,8 @@ def test_a_copied_script_trains_another_model_on_other_data(tmp_path):
     """The README's recipe, for train_ddp.py and train_fsdp.py: its model is stock PyTorch (default init, BatchNorm),
     not BabyCNN. Both copies learn, and in float64 FSDP ends with DDP's weights and running statistics, and the same
     test loss (both evaluate with rank 0's statistics). The control: the FSDP copy from other initial weights (--seed
-    1; what FSDP's old init on the meta device gave such a model), on one process, lands far away."""
+    1; a stock init run on meta-built shards gives such a model other weights too), on one process, lands far
+    away."""
     section = copy_section()
     (copy_commands,), (user_file,) = fenced(section, "bash"), fenced(section, "python")
     (diff,) = fenced(section, "diff")
