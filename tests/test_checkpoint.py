@@ -24,6 +24,11 @@ SCRIPTS = {  # name: (launcher, script, flags)
 }
 
 
+# FSDP's uninterrupted run recomputes activations: every run compared with it (the killed one, each resume of its
+# checkpoints) goes without, so --activation-checkpointing must change no bit and no parameter name.
+RECOMPUTE = {"fsdp": ["--activation-checkpointing"]}
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(mnist_dir, tmp_path_factory):
     """uninterrupted(name): directory of a 2-rank run of that script, never stopped: final.pt and ck/."""
@@ -33,8 +38,9 @@ def uninterrupted(mnist_dir, tmp_path_factory):
         if name not in done:
             directory = tmp_path_factory.mktemp(f"uninterrupted-{name}")
             _, script, flags = SCRIPTS[name]
-            succeeded(torchrun(script, 2, *mnist_args(mnist_dir), *LONG, *flags,
-                               "--checkpoint-dir", directory / "ck", "--save", directory / "final.pt"))
+            run = succeeded(torchrun(script, 2, *mnist_args(mnist_dir), *LONG, *flags, *RECOMPUTE.get(name, []),
+                                     "--checkpoint-dir", directory / "ck", "--save", directory / "final.pt"))
+            assert name != "fsdp" or "FSDP (full, activation checkpointing," in run.output, run.output
             done[name] = directory
         return done[name]
 
