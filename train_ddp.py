@@ -33,7 +33,8 @@ from plumbing import core, hardening
 
 
 def main():
-    args = core.parser(__doc__.splitlines()[0], data.add_arguments).parse_args()
+    parser = core.parser(__doc__.splitlines()[0], data.add_arguments)
+    args = parser.parse_args()
 
     # ---- setup: one process per device, all of them in one process group ----
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks the GPU
@@ -54,27 +55,30 @@ def main():
     try:
         log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
 
-        # ---- data: the whole split on the device; DistributedSampler picks this rank's share ----
-        dataset = data.load(found, device, dtype, log)  # collective: all ranks use the same files, or stop
+        # ---- data: map-style Datasets (bundled: on the device); DistributedSampler deals this rank's share ----
+        dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)  # collective
         # drop_last: without it, the sampler pads the shards to equal length by repeating samples, so some
         # would count twice in an epoch and no longer match one process on the whole set
         sampler = DistributedSampler(
-            range(len(dataset.train)), num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+            train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
         )
         samples_per_step = args.batch_size * args.grad_accum  # per rank, per optimizer step
         steps_per_epoch = len(sampler) // samples_per_step
         if steps_per_epoch == 0:
             raise core.UsageError(
                 f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} is more than the "
-                f"{len(sampler)} samples each of the {world_size} ranks gets from {dataset.name}; make it smaller"
+                f"{len(sampler)} samples each of the {world_size} ranks gets from {dataset_name}; make it smaller"
             )
         global_batch_size = samples_per_step * world_size
         total_steps = min(args.max_steps or steps_per_epoch * args.epochs, steps_per_epoch * args.epochs)
+        # Batches on the device: the bundled data gathered there, a Dataset of yours through a DataLoader (--workers)
+        train_batches = core.Batches(train_set, args.batch_size, device, dtype, args.workers, hash((args.seed, rank)))
+        test_batches = core.Batches(test_set, 512, device, dtype, args.workers)
 
         # ---- model: the same initial weights on every rank, from the seed ----
         torch.manual_seed(args.seed)
-        model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device=device,
-                        dtype=dtype)
+        channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W): BabyCNN's input
+        model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
         param_count = sum(p.numel() for p in model.parameters())
         if args.compile:  # the whole model in place (names stay); on a GPU, CUDA graphs: a step's kernels in one launch
             model.compile(mode="reduce-overhead" if device.type == "cuda" else None)
@@ -94,13 +98,13 @@ def main():
         optimizer = core.make_optimizer(args, model.parameters())
 
         # ---- resume: every rank loads its part of the newest checkpoint in --checkpoint-dir, if any ----
-        checkpointer = hardening.Checkpointer(args, dataset.name, global_batch_size, device)
+        checkpointer = hardening.Checkpointer(args, dataset_name, global_batch_size, device)
         resumed = checkpointer.check_outputs_and_resume(model, optimizer, peak_lr, log)  # collective
         log(
             f"{f'DDP on {world_size} rank(s)' if world_size > 1 else 'one process, no DDP wrapper'} ({backend}, {device.type}): "
             f"batch {args.batch_size} per rank x grad-accum {args.grad_accum} x {world_size} ranks = global batch "
             f"{global_batch_size}; peak lr {peak_lr:g} after {warmup_steps} warmup steps; "
-            f"{param_count:,} parameters; {args.precision}; {dataset.name}; {total_steps} steps"
+            f"{param_count:,} parameters; {args.precision}; {dataset_name}; {total_steps} steps"
         )
 
         # ---- train loop ----
@@ -111,16 +115,15 @@ def main():
         first_epoch, first_step_in_epoch = resumed["epoch"], resumed["samples_into_epoch"] // global_batch_size
         for epoch in range(first_epoch, -(-total_steps // steps_per_epoch)):
             sampler.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
-            order = torch.tensor(list(sampler), device=device)  # this rank's shard of the epoch
             model.train()
             progress.start_epoch()
             first = first_step_in_epoch if epoch == first_epoch else 0
             last = min(steps_per_epoch, first + total_steps - progress.step)
+            batches = train_batches(list(sampler)[first * samples_per_step :])  # from where a resumed run stopped
             for step_in_epoch in range(first, last):
                 optimizer.zero_grad(set_to_none=not keep_grads)
                 for micro_step in range(args.grad_accum):
-                    begin = (step_in_epoch * args.grad_accum + micro_step) * args.batch_size
-                    images, labels = dataset.train.batch(order[begin : begin + args.batch_size])
+                    images, labels = next(batches)
                     # no_sync: keep gradients local; the last micro-step's backward all-reduces their sum
                     last_micro_step = micro_step == args.grad_accum - 1
                     with nullcontext() if last_micro_step else no_sync():
@@ -162,7 +165,8 @@ def main():
                 dist.broadcast(buffer, src=0)
             model.eval()
             with autocast:
-                totals = data.evaluate(model, dataset.test, rank, world_size)  # loss sum, correct, count on this rank
+                # loss sum, correct, count on this rank
+                totals = core.evaluate(model, test_batches, rank, world_size)
             dist.all_reduce(totals)
             test_loss, test_accuracy = (totals[:2] / totals[2]).tolist()
             log(
@@ -181,7 +185,7 @@ def main():
                 core.save_json({
                     "strategy": "ddp", "world_size": world_size, "global_batch_size": global_batch_size,
                     **progress.summary(), "test_loss": test_loss, "test_accuracy": test_accuracy,
-                    "param_count": param_count, "precision": args.precision, "dataset": dataset.name,
+                    "param_count": param_count, "precision": args.precision, "dataset": dataset_name,
                     "peak_lr": peak_lr, "ranks": ranks,
                 }, args.metrics)
     finally:

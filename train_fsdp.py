@@ -88,29 +88,32 @@ def main():
             raise core.UsageError("--max-grad-norm with --cpu-offload: the gradients' norm is on the CPU, where NCCL "
                                   "cannot all-reduce it; drop one of them")
 
-        # ---- data: the whole split on the device; DistributedSampler picks this rank's share ----
-        dataset = data.load(found, device, dtype, log)  # collective: all ranks use the same files, or stop
+        # ---- data: map-style Datasets (bundled: on the device); DistributedSampler deals this rank's share ----
+        dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)  # collective
         # drop_last: without it, the sampler pads the shards to equal length by repeating samples, so some
         # would count twice in an epoch and no longer match one process on the whole set
         sampler = DistributedSampler(
-            range(len(dataset.train)), num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+            train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
         )
         samples_per_step = args.batch_size * args.grad_accum  # per rank, per optimizer step
         steps_per_epoch = len(sampler) // samples_per_step
         if steps_per_epoch == 0:
             raise core.UsageError(
                 f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} is more than the "
-                f"{len(sampler)} samples each of the {world_size} ranks gets from {dataset.name}; make it smaller"
+                f"{len(sampler)} samples each of the {world_size} ranks gets from {dataset_name}; make it smaller"
             )
         global_batch_size = samples_per_step * world_size
         total_steps = min(args.max_steps or steps_per_epoch * args.epochs, steps_per_epoch * args.epochs)
+        # Batches on the device: the bundled data gathered there, a Dataset of yours through a DataLoader (--workers)
+        train_batches = core.Batches(train_set, args.batch_size, device, dtype, args.workers, hash((args.seed, rank)))
+        test_batches = core.Batches(test_set, 512, device, dtype, args.workers)
 
         # ---- model: whole on every rank, from the seed: the initial weights of train_ddp.py, for any model ----
         # fully_shard below keeps only this rank's shard of each. (A model too big for one device is built on the
         # meta device instead, and each shard initialised after sharding: docs/fsdp.md says when and how.)
         torch.manual_seed(args.seed)
-        model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device=device,
-                        dtype=dtype)
+        channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W): BabyCNN's input
+        model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
         param_count = sum(p.numel() for p in model.parameters())
         units = shard_units(model)  # [(parent, name)]: BabyCNN's 4 blocks
         if args.compile:  # each unit in place, so its class and parameter names stay (torchtitan compiles per block)
@@ -143,7 +146,7 @@ def main():
         optimizer = core.make_optimizer(args, model.parameters())
 
         # ---- resume: every rank loads its part of the newest checkpoint in --checkpoint-dir, if any ----
-        checkpointer = hardening.Checkpointer(args, dataset.name, global_batch_size, device)
+        checkpointer = hardening.Checkpointer(args, dataset_name, global_batch_size, device)
         resumed = checkpointer.check_outputs_and_resume(model, optimizer, peak_lr, log)  # collective
         recompute = ", activation checkpointing" if args.activation_checkpointing else ""
         log(
@@ -151,7 +154,7 @@ def main():
             f"({backend}, {device.type}): "
             f"batch {args.batch_size} per rank x grad-accum {args.grad_accum} x {world_size} ranks = global batch "
             f"{global_batch_size}; peak lr {peak_lr:g} after {warmup_steps} warmup steps; "
-            f"{param_count:,} parameters; {args.precision}; {dataset.name}; {total_steps} steps"
+            f"{param_count:,} parameters; {args.precision}; {dataset_name}; {total_steps} steps"
         )
 
         # ---- train loop ----
@@ -162,16 +165,15 @@ def main():
         first_epoch, first_step_in_epoch = resumed["epoch"], resumed["samples_into_epoch"] // global_batch_size
         for epoch in range(first_epoch, -(-total_steps // steps_per_epoch)):
             sampler.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
-            order = torch.tensor(list(sampler), device=device)  # this rank's shard of the epoch
             model.train()
             progress.start_epoch()
             first = first_step_in_epoch if epoch == first_epoch else 0
             last = min(steps_per_epoch, first + total_steps - progress.step)
+            batches = train_batches(list(sampler)[first * samples_per_step :])  # from where a resumed run stopped
             for step_in_epoch in range(first, last):
                 optimizer.zero_grad(set_to_none=True)
                 for micro_step in range(args.grad_accum):
-                    begin = (step_in_epoch * args.grad_accum + micro_step) * args.batch_size
-                    images, labels = dataset.train.batch(order[begin : begin + args.batch_size])
+                    images, labels = next(batches)
                     # Keep unsharded gradients local; the last micro-step's backward reduce-scatters their sum
                     last_micro_step = micro_step == args.grad_accum - 1
                     model.set_requires_gradient_sync(last_micro_step)
@@ -214,7 +216,8 @@ def main():
             for buffer in model.buffers():  # BatchNorm's running statistics, each rank's own: rank 0's, which it saves
                 dist.broadcast(buffer, src=0)
             model.eval()
-            totals = data.evaluate(model, dataset.test, rank, world_size)  # each forward all-gathers: every rank
+            # each forward all-gathers: every rank
+            totals = core.evaluate(model, test_batches, rank, world_size)
             dist.all_reduce(totals)
             test_loss, test_accuracy = (totals[:2] / totals[2]).tolist()
             for module in model.modules():  # no backward follows these forwards to free what they gathered
@@ -240,7 +243,7 @@ def main():
                     "activation_checkpointing": args.activation_checkpointing,
                     "mesh": list(mesh.shape), "world_size": world_size, "global_batch_size": global_batch_size,
                     **progress.summary(), "test_loss": test_loss, "test_accuracy": test_accuracy,
-                    "param_count": param_count, "precision": args.precision, "dataset": dataset.name,
+                    "param_count": param_count, "precision": args.precision, "dataset": dataset_name,
                     "peak_lr": peak_lr, "ranks": ranks,
                 }, args.metrics)
     finally:

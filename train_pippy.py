@@ -105,13 +105,13 @@ def main():
             raise core.UsageError("--compile is for train_ddp.py and train_fsdp.py: the pipeline's stages cannot "
                                   "send the non-contiguous activations compiled blocks may return")
 
-        # ---- data: the whole split on the device; DistributedSampler picks this replica's share ----
-        dataset = data.load(found, device, dtype, log)  # collective: all ranks use the same files, or stop
+        # ---- data: map-style Datasets (bundled: on the device); DistributedSampler deals this replica's share ----
+        dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)  # collective
         # Data parallelism is across replicas: every stage of replica d walks the same shard d. drop_last: without
         # it, the sampler pads the shards to equal length by repeating samples, so some would count twice in an
         # epoch and no longer match one process on the whole set
         sampler = DistributedSampler(
-            range(len(dataset.train)), num_replicas=args.data_parallel, rank=dp_rank, shuffle=True, seed=args.seed,
+            train_set, num_replicas=args.data_parallel, rank=dp_rank, shuffle=True, seed=args.seed,
             drop_last=True
         )
         samples_per_step = args.batch_size * args.grad_accum  # per replica, per optimizer step
@@ -119,16 +119,20 @@ def main():
         if steps_per_epoch == 0:
             raise core.UsageError(
                 f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} is more than the "
-                f"{len(sampler)} samples each of the {args.data_parallel} replicas gets from {dataset.name}; "
+                f"{len(sampler)} samples each of the {args.data_parallel} replicas gets from {dataset_name}; "
                 "make it smaller"
             )
         global_batch_size = samples_per_step * args.data_parallel
         total_steps = min(args.max_steps or steps_per_epoch * args.epochs, steps_per_epoch * args.epochs)
+        # Batches on the device: the bundled data gathered there, a Dataset of yours through a DataLoader (--workers)
+        seed = hash((args.seed, dp_rank))  # this replica's workers' random streams
+        train_batches = core.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
+        test_batches = core.Batches(test_set, args.batch_size, device, dtype, args.workers)
 
         # ---- model: this rank's blocks only (the others become nn.Identity), on meta, then initialised ----
         torch.manual_seed(args.seed)
-        model = BabyCNN(dataset.in_channels, dataset.num_classes, dataset.image_size, args.width, device="meta",
-                        dtype=dtype)
+        channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W): BabyCNN's input
+        model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device="meta", dtype=dtype)
         param_count = sum(p.numel() for p in model.parameters())
         if num_stages > len(model.blocks):
             raise core.UsageError(f"{pipeline_ranks} pipeline ranks x {stages_per_rank} stages per rank = "
@@ -184,14 +188,14 @@ def main():
         optimizer = core.make_optimizer(args, model.parameters())
 
         # ---- resume: every rank loads its part of the newest checkpoint in --checkpoint-dir, if any ----
-        checkpointer = hardening.Checkpointer(args, dataset.name, global_batch_size, device)
+        checkpointer = hardening.Checkpointer(args, dataset_name, global_batch_size, device)
         resumed = checkpointer.check_outputs_and_resume(model, optimizer, peak_lr, log)  # collective
         log(
             f"pipeline ({args.schedule}, {num_stages} stages: blocks {stage_blocks}) x {args.data_parallel} replica(s) "
             f"on {world_size} rank(s) ({backend}, {device.type}): batch {args.batch_size} per replica in "
             f"{args.microbatches} microbatches x grad-accum {args.grad_accum} x {args.data_parallel} replicas = global "
             f"batch {global_batch_size}; peak lr {peak_lr:g} after {warmup_steps} warmup steps; "
-            f"{param_count:,} parameters; {args.precision}; {dataset.name}; {total_steps} steps"
+            f"{param_count:,} parameters; {args.precision}; {dataset_name}; {total_steps} steps"
         )
 
         # ---- train loop ----
@@ -202,16 +206,15 @@ def main():
         first_epoch, first_step_in_epoch = resumed["epoch"], resumed["samples_into_epoch"] // global_batch_size
         for epoch in range(first_epoch, -(-total_steps // steps_per_epoch)):
             sampler.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
-            order = torch.tensor(list(sampler), device=device)  # this replica's shard of the epoch
             model.train()
             progress.start_epoch()
             first = first_step_in_epoch if epoch == first_epoch else 0
             last = min(steps_per_epoch, first + total_steps - progress.step)
+            batches = train_batches(list(sampler)[first * samples_per_step :])  # from where a resumed run stopped
             for step_in_epoch in range(first, last):
                 optimizer.zero_grad(set_to_none=True)
                 for micro_step in range(args.grad_accum):
-                    begin = (step_in_epoch * args.grad_accum + micro_step) * args.batch_size
-                    images, labels = dataset.train.batch(order[begin : begin + args.batch_size])
+                    images, labels = next(batches)
                     # Only the first stage reads inputs, only the last one sees targets and losses.
                     losses = []
                     # Sends and receives activations and gradients between neighbouring stages: every pipeline rank
@@ -266,8 +269,8 @@ def main():
                                        target=labels if has_last_stage else None)
                 return logits if has_last_stage else None
 
-            totals = data.evaluate(pipeline_forward, dataset.test, dp_rank, args.data_parallel,
-                                   batch_size=args.batch_size, pipeline=True)  # zeros where no last stage
+            totals = core.evaluate(pipeline_forward, test_batches, dp_rank, args.data_parallel,
+                                   pipeline=True)  # zeros where no last stage
             dist.all_reduce(totals)
             test_loss, test_accuracy = (totals[:2] / totals[2]).tolist()
             log(
@@ -294,7 +297,7 @@ def main():
                     "stages": num_stages, "data_parallel": args.data_parallel, "world_size": world_size,
                     "global_batch_size": global_batch_size, **progress.summary(), "test_loss": test_loss,
                     "test_accuracy": test_accuracy, "param_count": param_count, "precision": args.precision,
-                    "dataset": dataset.name, "peak_lr": peak_lr, "ranks": ranks,
+                    "dataset": dataset_name, "peak_lr": peak_lr, "ranks": ranks,
                 }, args.metrics)
     finally:
         schedule = stages = pp_group = mesh = None  # they hold the groups: let go, and destroy ends gloo's threads

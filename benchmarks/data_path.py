@@ -1,5 +1,6 @@
 """Samples/s of two ways to make normalised training batches of the same images, no model:
-the project's on-device loader (models/data.py: one uint8 tensor, gather by index) and the usual
+the project's on-device path (plumbing/core.py's Batches: a TensorDataset normalised once, each batch
+gathered by index) and the usual
 torchvision Dataset + DataLoader + ToTensor/Normalize pipeline over MNIST-format files.
 
     OMP_NUM_THREADS=1 python benchmarks/data_path.py --batches 200 --batch-size 64
@@ -16,7 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models.data import Split, synthetic_digits  # noqa: E402
+from models.data import synthetic_digits  # noqa: E402
+from plumbing.core import Batches  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--batches", type=int, default=200)
@@ -33,11 +35,11 @@ def timed(batches):
     return total / (time.perf_counter() - start)
 
 
-# The project's path: uint8 on the device, a shuffled order, gather + normalise per batch.
-split = Split(inputs=images, labels=labels, scale=torch.tensor(1 / (255 * std)).view(1, 1, 1, 1),
-              shift=torch.tensor(-mean / std).view(1, 1, 1, 1))
-order = torch.randperm(count)
-device_loader = timed(split.batch(order[i : i + args.batch_size]) for i in range(0, count, args.batch_size))
+# The project's path: normalised once, on the device (here the CPU); a shuffled order, a gather per batch.
+inputs = images * (1 / (255 * std)) + (-mean / std)
+dataset = torch.utils.data.TensorDataset(inputs, labels)
+order = torch.randperm(count).tolist()
+device_loader = timed(Batches(dataset, args.batch_size, torch.device("cpu"), torch.float32)(order))
 
 # The usual path: MNIST files read by torchvision, PIL images, ToTensor + Normalize per sample.
 import torchvision  # noqa: E402

@@ -1,4 +1,4 @@
-"""The model and the data the three training scripts share: BabyCNN, the datasets and evaluation."""
+"""The model and the data the three training scripts share: BabyCNN and the bundled datasets."""
 
 from models.babycnn import BabyCNN
 

@@ -1,9 +1,9 @@
-"""Image data for the three training scripts, kept as tensors on the training device.
+"""Image data for the three training scripts: map-style Datasets, held whole as tensors on the training device.
 
-A split is held whole as a tensor on the device (``uint8`` images (N, C, H, W), or any inputs), with its labels.
-A batch is gathered by index (``split.batch(indices)``) and normalised there: no Dataset, no DataLoader workers,
-no per-sample Python or PIL on the hot path. Which indices a rank uses is decided by the training script with
-``torch.utils.data.DistributedSampler``, so the sharding stays visible there.
+``load`` returns each split as a ``torch.utils.data.TensorDataset`` of normalised images (N, C, H, W) and labels,
+on the device: the scripts gather a batch by index there (no DataLoader workers, no per-sample Python or PIL on the
+hot path), as they would pass a Dataset of your own through a DataLoader. Which indices a rank uses is decided by
+the training script with ``torch.utils.data.DistributedSampler``, so the sharding stays visible there.
 
 Datasets: ``auto`` (the default) is the original MNIST files that ship in models/mnist/, read with no network;
 ``mnist``, ``fashion-mnist`` and ``cifar10`` are a copy in --data-dir (the IDX files as they are distributed,
@@ -21,11 +21,13 @@ import socket
 import struct
 import textwrap
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from plumbing import core
 
 NUM_CLASSES = 10  # every one of them: ten digits, ten garments, ten CIFAR classes
 BUNDLED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mnist")  # --dataset auto
@@ -36,39 +38,10 @@ class DataError(Exception):
     """A dataset problem the user can fix; the message is one line that says how."""
 
 
-@dataclass
-class Split:
-    inputs: torch.Tensor  # on the training device: uint8 images (N, C, H, W), or any (N, ...) tensor
-    labels: torch.Tensor  # int64 (N,) on the training device
-    scale: torch.Tensor | float = 1.0  # uint8 images: (1, C, 1, 1) 1 / (255 * std), in the model's input dtype
-    shift: torch.Tensor | float = 0.0  # and -mean / std
-
-    def __len__(self):
-        return self.labels.shape[0]
-
-    def batch(self, indices):
-        """Normalised inputs and labels for ``indices`` (a tensor on the same device)."""
-        return self.inputs[indices] * self.scale + self.shift, self.labels[indices]
-
-
-@dataclass
-class Dataset:
-    name: str
-    train: Split
-    test: Split
-    num_classes: int = NUM_CLASSES
-
-    @property
-    def in_channels(self):
-        return self.train.inputs.shape[1]
-
-    @property
-    def image_size(self):
-        return self.train.inputs.shape[2]
-
-
-def add_arguments(parser):
+def add_arguments(parser):  # the bundled model's and data's flags: a copy with its own leaves them out
     add = parser.add_argument
+    add("--width", type=core.number(int, 1), default=1, help="BabyCNN channel multiplier (parameters grow with its "
+        "square)")
     add("--dataset", choices=("auto", "synthetic", *_TORCHVISION), default="auto",
         help="auto: the MNIST files in models/mnist/, no network; mnist: a copy in --data-dir; synthetic: for tests")
     add("--data-dir", help="where mnist, fashion-mnist and cifar10 are read from and downloaded to (default: ./data); "
@@ -115,10 +88,11 @@ def find(name, data_dir, download=True):
     return found
 
 
-def load(found, device, dtype=torch.float32, log=print):
+def load(found, device, dtype=torch.float32, workers=0, log=print):
     """Collective (every rank must call it): every rank sees every rank's ``find`` (an all_gather), so all of them
     train on the same dataset, ``auto`` included, or all stop with one line naming the node that lacks the files.
-    Then each rank puts the splits on its ``device``, as ``dtype`` batches. ``log`` speaks for rank 0 only."""
+    Returns its name and the training and test splits as TensorDatasets of ``dtype`` images on ``device`` (in CPU
+    memory for ``workers``: a DataLoader's worker processes cannot read CUDA tensors). ``log`` speaks for rank 0."""
     answers = [None] * dist.get_world_size()
     dist.all_gather_object(answers, {k: v for k, v in found.items() if k != "splits"})
     resolved = _agree(found["name"], answers, log)
@@ -126,14 +100,15 @@ def load(found, device, dtype=torch.float32, log=print):
         (train_x, train_y), (test_x, test_y) = synthetic_digits(60_000, seed=0), synthetic_digits(10_000, seed=1)
     else:
         (train_x, train_y), (test_x, test_y) = found["splits"]
+    device = torch.device("cpu") if workers else device
     # Normalise with the training split's own statistics, computed once on the device.
     train_x, test_x = train_x.to(device), test_x.to(device)
     pixels = train_x.float().div_(255).transpose(0, 1).flatten(1)
     mean, std = pixels.mean(dim=1), pixels.std(dim=1)
     scale = (1 / (255 * std)).view(1, -1, 1, 1).to(dtype)
     shift = (-mean / std).view(1, -1, 1, 1).to(dtype)
-    train, test = Split(train_x, train_y.to(device), scale, shift), Split(test_x, test_y.to(device), scale, shift)
-    return Dataset(resolved, train, test)
+    splits = [TensorDataset(x * scale + shift, y.to(device)) for x, y in ((train_x, train_y), (test_x, test_y))]
+    return resolved, *splits
 
 
 _TORCHVISION = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "cifar10": "CIFAR10"}
@@ -342,39 +317,3 @@ def synthetic_digits(count, seed, image_size=28):
         noise *= noise_level[part].float().view(-1, 1, 1, 1)
         images[part] = ((ink + noise).clamp(0, 1) * 255).round().to(torch.uint8)
     return images, labels
-
-
-# ---------------------------------------------------------------------------------------------
-# Evaluation over the whole test split, sharded across ranks.
-# ---------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def evaluate(forward, split, rank, world_size, batch_size=512, pipeline=False):
-    """This rank's share of the test loss and accuracy of ``forward`` (inputs -> logits) over all of ``split``:
-    a float64 tensor (loss sum, correct, count). All-reduced over every rank, it gives the whole split's.
-
-    ``rank`` and ``world_size`` count data-parallel replicas: each takes a contiguous slice of the test set (no
-    sample twice, none left out). Every replica runs the same number of batches, even when its slice is one
-    sample shorter, because a sharded model (FSDP) needs every rank in each forward's all-gather.
-
-    With ``pipeline=True``, ``forward(inputs, labels)`` runs a pipeline schedule: every batch has the same shape
-    (short ones are padded, the padding not counted), and ranks without the last stage return None and add nothing.
-    """
-    shard = torch.arange(len(split), device=split.labels.device).tensor_split(world_size)[rank]
-    num_batches = math.ceil(math.ceil(len(split) / world_size) / batch_size)
-    totals = torch.zeros(3, dtype=torch.float64, device=split.labels.device)  # loss sum, correct, count
-    for i in range(num_batches):
-        indices = shard[i * batch_size : (i + 1) * batch_size]
-        real = indices.numel()
-        if pipeline:
-            indices = torch.cat([indices, indices.new_zeros(batch_size - real)])
-        inputs, labels = split.batch(indices)
-        logits = forward(inputs, labels) if pipeline else forward(inputs)
-        if logits is None:
-            continue
-        logits, labels = logits[:real].float(), labels[:real]
-        totals[0] += F.cross_entropy(logits, labels, reduction="sum")
-        totals[1] += (logits.argmax(dim=1) == labels).sum()
-        totals[2] += real
-    return totals

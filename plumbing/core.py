@@ -1,4 +1,4 @@
-"""What a training script needs besides its model and data: flags, optimizer, lr, device, log, files. No collectives."""
+"""Flags, optimizer, lr, batches, evaluation, logs, files: what a script needs beside model and data. No collectives."""
 
 import argparse
 import errno
@@ -12,7 +12,9 @@ import time
 from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
 
 
 class UsageError(Exception):
@@ -66,21 +68,17 @@ def parser(description, *more):  # the flags all three scripts share, then those
     add("--base-batch-size", type=number(int, 1), default=64, help="the global batch size --lr was tuned for")
     add("--warmup-steps", type=number(int, 0), help="ramp the lr linearly over this many optimizer steps, at most half "
         "the run (default: 100, or a fifth of a run shorter than 500 steps)")
-    add("--max-grad-norm", type=number(float, 0, above_low=True), help="clip the gradients to this global L2 norm "
-        "(default: no clipping); the log shows the norm before clipping")
+    add("--max-grad-norm", type=number(float, 0, above_low=True), help="clip gradients to this global L2 norm (logged)")
     add("--device", choices=("auto", "cuda", "cpu"), default="auto",
         help="auto: the GPU cuda:LOCAL_RANK when CUDA is available (NCCL), else the CPU (gloo)")
-    add("--precision", choices=("fp32", "bf16", "fp64"), default="fp32",
-        help="bf16: autocast the forward pass to bfloat16; fp64: the whole model in float64 (slow; for the tests)")
-    add("--compile", action="store_true", help="torch.compile before wrapping: train_ddp.py the whole model (CUDA "
-        "graphs on a GPU), train_fsdp.py each block")
-    add("--width", type=number(int, 1), default=1, help="BabyCNN channel multiplier (parameters grow with its square)")
+    add("--precision", choices=("fp32", "bf16", "fp64"), default="fp32", help="bf16: autocast forward; fp64: for tests")
+    add("--compile", action="store_true", help="torch.compile: train_ddp.py the model, train_fsdp.py each block")
     add("--seed", type=int, default=0, help="same initial weights and data order on every rank")
+    add("--workers", type=number(int, 0), default=0, help="DataLoader processes per rank (none: in the rank itself)")
     add("--log-every", type=number(int, 1), default=20, help="optimizer steps between all-reduced loss readings")
     add("--no-eval", action="store_true", help="skip the test-set evaluation after each epoch (for measurements)")
     add("--checkpoint-dir", metavar="DIR", help="save checkpoints here, and resume from the newest one found there")
-    add("--checkpoint-every", type=number(int, 1), default=100,
-        help="optimizer steps between checkpoints (and one at the last step)")
+    add("--checkpoint-every", type=number(int, 1), default=100, help="steps between checkpoints (and one at the end)")
     add("--keep-checkpoints", type=number(int, 1), default=2, help="how many of the newest checkpoints to keep")
     add("--save", metavar="PATH", help="write the final weights as a plain state dict (rank 0)")
     add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")
@@ -125,6 +123,48 @@ def use_cuda(device_flag, local_rank):  # True for cuda:LOCAL_RANK; a NodeError 
 def precision(args, device):  # the weights' dtype, and bf16 autocast (CPU and GPU alike) or nothing for the forward
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" else nullcontext()
     return torch.float64 if args.precision == "fp64" else torch.float32, autocast
+
+
+class Batches:
+    """Called with indices: (inputs, labels) of map-style ``dataset`` there, ``batch_size`` at a time, on ``device``.
+    A TensorDataset on the device is gathered by index; any other goes through one DataLoader (pinned memory on a GPU,
+    ``workers`` forked once and kept: a fork while another loader's threads end can hang the child, CPython 3.11)."""
+
+    def __init__(self, dataset, batch_size, device, dtype, workers=0, seed=0):
+        self.dataset, self.batch_size, self.device, self.dtype = dataset, batch_size, device, dtype
+        self.order = []  # the DataLoader's sampler: each call fills it, and the loader reads it from the start
+        on_device = isinstance(dataset, TensorDataset) and not workers and dataset.tensors[0].device == device
+        self.loader = None if on_device else DataLoader(
+            dataset, batch_size, sampler=self.order, num_workers=workers, persistent_workers=workers > 0,
+            pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(seed))
+
+    def __call__(self, indices):
+        if self.loader is None:
+            indices = torch.as_tensor(indices, device=self.device)
+            loaded = (self.dataset[indices[i : i + self.batch_size]] for i in range(0, len(indices), self.batch_size))
+        else:
+            self.order[:], loaded = indices, self.loader
+        for inputs, labels in loaded:  # floating inputs in the model's dtype
+            yield (inputs.to(self.device, self.dtype if inputs.is_floating_point() else None, non_blocking=True),
+                   labels.to(self.device, non_blocking=True))
+
+
+@torch.no_grad()
+def evaluate(forward, batches, rank, world_size, pipeline=False):
+    """This replica's (loss sum, correct, count) of ``forward`` on its slice of ``batches.dataset``, to all-reduce.
+    All run as many batches (FSDP gathers in each), padded with sample 0, uncounted; ``pipeline``: full batches."""
+    size, count = batches.batch_size, len(batches.dataset)
+    shard, longest = torch.arange(count).tensor_split(world_size)[rank].tolist(), -(-count // world_size)
+    padded = shard + [0] * ((-(-longest // size) * size if pipeline else longest) - len(shard))
+    totals = torch.zeros(3, dtype=torch.float64, device=batches.device)  # loss sum, correct, count
+    for i, (inputs, labels) in enumerate(batches(padded)):
+        logits = forward(inputs, labels) if pipeline else forward(inputs)
+        real = len(shard[i * size : (i + 1) * size])  # 0 in a batch of padding alone
+        if logits is not None and real:
+            logits, labels = logits[:real].float(), labels[:real]
+            totals += torch.stack([F.cross_entropy(logits, labels, reduction="sum").double(),
+                                   (logits.argmax(dim=1) == labels).sum().double(), labels.new_tensor(real).double()])
+    return totals
 
 
 def memory(model, optimizer, device):  # bytes of parameters, gradients, optimizer state here (FSDP: a shard); peak

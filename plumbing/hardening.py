@@ -1,5 +1,4 @@
-"""What a production job adds: one-line errors, dying with torchrun, stopping on a signal, checksummed checkpoints.
-Calls that are collectives say so: every rank must make them."""
+"""What a production job adds: one-line errors, dying with torchrun, signals, checkpoints. Collectives say so."""
 
 import ctypes
 import gc

@@ -47,16 +47,25 @@ def uninterrupted(mnist_dir, tmp_path_factory):
     return get
 
 
-# DDP's resume is the stopped job's below; torchrun's restart is the same for the three scripts.
+# DDP's resume is the stopped job's below; torchrun's restart is the same for the three scripts. FSDP's killed run
+# reads its batches through a DataLoader with 2 workers per rank (--workers 2), as a Dataset of your own is read, and
+# is killed halfway through its first epoch: after the restart it must read on with the very samples, in the order,
+# that the uninterrupted run (on-device batches) read. (name: flags, the checkpoint to wait for before the kill.)
+KILLED = {"fsdp": (["--workers", "2"], "step-10"), "pippy": ([], "step-20")}
+
+
 @pytest.mark.parametrize("name", ["fsdp", "pippy"])
 def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_interrupted(name, uninterrupted, mnist_dir, tmp_path):
-    launcher, _, flags = SCRIPTS[name]
-    args = ["bash", ROOT / launcher, *mnist_args(mnist_dir), *LONG, *flags, "--checkpoint-dir", tmp_path / "ck", "--save", tmp_path / "final.pt"]
+    (launcher, _, flags), (more, step) = SCRIPTS[name], KILLED[name]
+    args = ["bash", ROOT / launcher, *mnist_args(mnist_dir), *LONG, *flags, *more,
+            "--checkpoint-dir", tmp_path / "ck", "--save", tmp_path / "final.pt"]
     run = Run(args, env=launcher_env(NPROC_PER_NODE=2, MAX_RESTARTS=1))
-    wait_for(tmp_path / "ck" / "step-20", run)
+    wait_for(tmp_path / "ck" / step, run)
     os.kill(worker_pids(run.process.pid)[1], signal.SIGKILL)  # rank 1 dies mid-run
     succeeded(run)
-    assert "resumed from" in run.output  # torchrun restarted the workers, which resumed
+    resumed = [line for line in run.output.splitlines() if "resumed from" in line]
+    assert resumed, run.output  # torchrun restarted the workers, which resumed
+    assert name != "fsdp" or "/ck/step-20 " not in resumed[0], resumed  # mid-epoch: step 10 (or 30)
     assert max_difference(load_weights(tmp_path / "final.pt"), load_weights(uninterrupted(name) / "final.pt")) == 0
 
 
