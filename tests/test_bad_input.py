@@ -14,9 +14,11 @@ Two tables of the same kind live beside what they need: bad launcher variables (
 flags) in test_launch.py, and bad checkpoints (made from its uninterrupted runs) in test_checkpoint.py.
 """
 
+import importlib
 import os
 import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -31,10 +33,6 @@ from plumbing import core
 CASES = {
     # flags: the parser of each script
     "zero-batch": ("train_ddp.py", 1, ["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
-    "replicate-degree-0": ("train_fsdp.py", 1, ["--replicate-degree", "0"],
-                           "argument --replicate-degree: must be at least 1, got 0"),
-    "stages-per-rank-0": ("train_pippy.py", 1, ["--stages-per-rank", "0"],
-                          "argument --stages-per-rank: must be at least 1, got 0"),
     # layouts and devices
     "batch-over-shard": ("train_ddp.py", 2, [*mnist_args("{mnist}"), "--batch-size", "321"],
                          "is more than the 320 samples each of the 2 ranks gets"),
@@ -66,6 +64,12 @@ FLAGS = {
     "weight-decay-nan": (["--weight-decay", "nan"], "argument --weight-decay: must be at least 0, got nan"),
     "weight-decay-negative": (["--weight-decay", "-1"], "argument --weight-decay: must be at least 0, got -1"),
     "momentum-negative": (["--momentum", "-1"], "argument --momentum: must be at least 0 and below 1, got -1"),
+}
+# Refused by the flags a script adds to the shared parser, before anything else its main() does, as zero-batch is by
+# train_ddp.py's: (module, flags, the error).
+SCRIPT_FLAGS = {
+    "replicate-degree-0": ("train_fsdp", ["--replicate-degree", "0"], "argument --replicate-degree: must be at least 1, got 0"),
+    "stages-per-rank-0": ("train_pippy", ["--stages-per-rank", "0"], "argument --stages-per-rank: must be at least 1, got 0"),
 }
 # Damaged files found by data.find, as label-255 is: the error.
 DAMAGED = {
@@ -134,6 +138,15 @@ def test_a_bad_flag_is_refused_by_the_parser_the_scripts_share(case):
     flags, message = FLAGS[case]
     with pytest.raises(core.UsageError) as refused:
         core.parser("", data.add_arguments).parse_args(flags)
+    assert str(refused.value).startswith(message) and str(refused.value).endswith(" (see --help)"), refused.value
+
+
+@pytest.mark.parametrize("case", SCRIPT_FLAGS)
+def test_a_bad_flag_of_one_script_is_refused_by_its_parser(case, monkeypatch):
+    module, flags, message = SCRIPT_FLAGS[case]
+    monkeypatch.setattr(sys, "argv", [f"{module}.py", *flags])
+    with pytest.raises(core.UsageError) as refused:
+        importlib.import_module(module).main()
     assert str(refused.value).startswith(message) and str(refused.value).endswith(" (see --help)"), refused.value
 
 

@@ -1,15 +1,18 @@
 """train_pippy.py (torch.distributed.pipelining), launched for real under torchrun on gloo."""
 
+import argparse
 import json
 import shutil
 
 import pytest
 import torch
 
+import train_pippy
 from conftest import (
     CONTROL_FLOOR, EQUIVALENCE, ROOT, assert_one_line_error, assert_same_math, launch, load_weights, max_difference,
     mnist_args, relative_difference, succeeded, torchrun,
 )
+from plumbing import core
 
 ACCUMULATE = ["--batch-size", "16", "--grad-accum", "2", "--microbatches", "4"]  # 2 micro-steps of 4 microbatches
 NEIGHBOURS_REFUSED = torch.__version__ < (2, 14)  # two neighbouring stages on one rank, on gloo: train_pippy.py
@@ -144,7 +147,6 @@ def test_a_run_resumed_at_an_epoch_end_evaluates_first_and_trains_on_as_if_never
 
 BAD_LAYOUTS = {  # case: (processes, flags, the error line it must give); one process where the world size does not matter
     "batch-not-divisible": (1, ["--batch-size", "30", "--microbatches", "8"], "--batch-size 30 does not split into --microbatches 8 equal microbatches"),
-    "too-few-microbatches": (2, ["--schedule", "1f1b", "--batch-size", "32", "--microbatches", "1"], "--schedule 1f1b needs at least as many microbatches as stages (2)"),
     "more-stages-than-blocks": (1, ["--schedule", "looped-bfs", "--stages-per-rank", "5"], "5 stages, but BabyCNN has only 4 blocks"),
     "single-stage-schedule": (1, ["--schedule", "gpipe", "--stages-per-rank", "2"], "--schedule gpipe runs one stage per rank"),
     "zbv-eval": (1, ["--schedule", "zbv"], neighbours_refused("zbv") if NEIGHBOURS_REFUSED else "--schedule zbv trains, but its forward-only evaluation fails"),
@@ -166,3 +168,10 @@ def bad_layout_runs(mnist_dir):
 @pytest.mark.parametrize("case", BAD_LAYOUTS)
 def test_bad_layouts_are_one_line_errors(case, bad_layout_runs):
     assert_one_line_error(bad_layout_runs[case].wait(), BAD_LAYOUTS[case][2])
+
+
+def test_too_few_microbatches_are_refused_where_batch_not_divisible_is():
+    # check_microbatches, which the launched batch-not-divisible case reaches, on 2 pipeline ranks: no launch needed.
+    args = argparse.Namespace(batch_size=32, microbatches=1, schedule="1f1b")
+    with pytest.raises(core.UsageError, match=r"^--schedule 1f1b needs at least as many microbatches as stages \(2\)"):
+        train_pippy.check_microbatches(args, num_stages=2, pipeline_ranks=2)
