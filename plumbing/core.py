@@ -95,7 +95,7 @@ def lr_schedule(args, global_batch_size, total_steps):
     warmup = min(100, total_steps // 5) if args.warmup_steps is None else args.warmup_steps
     if 2 * warmup > total_steps:
         raise UsageError(f"--warmup-steps {warmup} is more than half of this run's {total_steps} steps: the lr would "
-                         f"stay below its peak {peak:g} for most of the run; give at most {total_steps // 2}, or 0")
+                         f"stay below its peak {peak:g} for most of the run; give at most {total_steps // 2}")
     cosine = args.lr_schedule == "cosine"
     decay = (lambda s: 0.5 + 0.5 * math.cos(math.pi * s / total_steps)) if cosine else (lambda s: 1.0)
     return peak, warmup, lambda step: peak * min(1.0, (step + 1) / (warmup + 1)) * decay(step)

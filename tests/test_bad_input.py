@@ -245,7 +245,10 @@ def test_a_warmup_longer_than_half_the_run_is_refused_and_the_default_one_is_sho
     with pytest.raises(core.UsageError) as refused:
         core.lr_schedule(args, 64, total_steps=32)
     assert str(refused.value) == ("--warmup-steps 17 is more than half of this run's 32 steps: the lr would stay below "
-                                  "its peak 0.003 for most of the run; give at most 16, or 0")
+                                  "its peak 0.003 for most of the run; give at most 16")
+    args = core.parser("test").parse_args(["--warmup-steps", "1"])  # a one-step run: 0 is the only warmup it takes
+    with pytest.raises(core.UsageError, match=r"1 steps: .*; give at most 0$"):
+        core.lr_schedule(args, 64, total_steps=1)
     # The default: 100 steps, or a fifth of a shorter run; the lr reaches the peak when the warmup ends.
     default = core.parser("test").parse_args(["--lr-schedule", "constant"])
     for total_steps, warmup in ((32, 6), (499, 99), (5000, 100)):
