@@ -165,8 +165,7 @@ def main():
                 dist.broadcast(buffer, src=0)
             model.eval()
             with autocast:
-                # loss sum, correct, count on this rank
-                totals = core.evaluate(model, test_batches, rank, world_size)
+                totals = core.evaluate(model, test_batches, rank, world_size)  # loss sum, correct, count on this rank
             dist.all_reduce(totals)
             test_loss, test_accuracy = (totals[:2] / totals[2]).tolist()
             log(

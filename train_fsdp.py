@@ -216,8 +216,7 @@ def main():
             for buffer in model.buffers():  # BatchNorm's running statistics, each rank's own: rank 0's, which it saves
                 dist.broadcast(buffer, src=0)
             model.eval()
-            # each forward all-gathers: every rank
-            totals = core.evaluate(model, test_batches, rank, world_size)
+            totals = core.evaluate(model, test_batches, rank, world_size)  # each forward all-gathers: every rank
             dist.all_reduce(totals)
             test_loss, test_accuracy = (totals[:2] / totals[2]).tolist()
             for module in model.modules():  # no backward follows these forwards to free what they gathered

@@ -223,14 +223,13 @@ def main():
                     if has_last_stage:  # the micro-step's mean loss (loss_fn divided it by microbatches x grad_accum)
                         window_loss += torch.stack(losses).detach().sum() * args.grad_accum
                     window_count += 1
+                grads = [p.grad for p in model.parameters() if p.grad is not None]  # this rank's stages'
                 if args.data_parallel > 1:  # average each gradient with the same stage's other replicas: one all-reduce
-                    grads = [p.grad for p in model.parameters() if p.grad is not None]
                     flat = torch.cat([g.flatten() for g in grads])
                     dist.all_reduce(flat, group=mesh.get_group("dp"))
                     torch._foreach_copy_(grads, [part.view_as(g) / args.data_parallel
                                                  for g, part in zip(grads, flat.split([g.numel() for g in grads]))])
                 if args.max_grad_norm:  # the norm of the whole model: every stage's gradients, on every pipeline rank
-                    grads = [p.grad for p in model.parameters() if p.grad is not None]
                     squares = torch.nn.utils.get_total_norm(grads) ** 2  # this rank's stages only
                     dist.all_reduce(squares, group=pp_group)  # their sum over the pipeline ranks (replicas agree)
                     grad_norm = squares.sqrt()
