@@ -4,10 +4,16 @@ Every launch runs in its own process group with a hard timeout: on a timeout the
 (torchrun and its workers) is killed and the test fails, so nothing in the suite can hang.
 """
 
+import atexit
+import faulthandler
 import fcntl
+import io
 import json
+import logging
+import math
 import os
 import re
+import runpy
 import shutil
 import signal
 import socket
@@ -16,10 +22,16 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import pytest
-import torch
+
+# One intra-op thread, as in every launch (child_env): and no OpenMP thread pool here, which a fork (Fork) could not use.
+os.environ["OMP_NUM_THREADS"] = "1"
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -28,6 +40,17 @@ from models import BabyCNN  # noqa: E402
 from models import data  # noqa: E402
 
 TIMEOUT = 240  # seconds for one launch; a healthy one takes 5 to 40 here
+
+
+# pytest-xdist hands out whole files (--dist loadfile, pytest.ini) in the order they were collected: the longest go
+# first (by --durations, in seconds of launches), so that none starts last while the other worker has nothing left.
+LONGEST_FIRST = ["test_checkpoint.py", "test_pippy.py", "test_ddp.py", "test_cluster.py", "test_fsdp.py",
+                 "test_launch.py", "test_bad_input.py", "test_hardening.py", "test_template.py"]
+
+
+def pytest_collection_modifyitems(items):
+    last = len(LONGEST_FIRST)  # the other files keep their order, after these
+    items.sort(key=lambda item: LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST else last)
 
 
 def child_env(**extra):
@@ -41,16 +64,21 @@ def child_env(**extra):
 
 
 class Run:
-    def __init__(self, args, env=None, cwd=None):
+    def __init__(self, args, env=None, cwd=None, fork=False):
+        """Start ``args``; with ``fork``, ``args`` is ``[python, script, ...]`` or ``[python, -m, module, ...]``, run
+        in a fork of this process (Fork)."""
         self.args = [str(a) for a in args]
-        self.process = subprocess.Popen(
-            self.args,
-            cwd=cwd or ROOT,
-            env=env or child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # not in pytest's process group: a Ctrl-C reaches pytest only
-        )
+        if fork:
+            self.process = Fork(self.args, env or child_env(), cwd or ROOT)
+        else:
+            self.process = subprocess.Popen(
+                self.args,
+                cwd=cwd or ROOT,
+                env=env or child_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # not in pytest's process group: a Ctrl-C reaches pytest only
+            )
         self.started = time.monotonic()
         self._chunks = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -100,15 +128,106 @@ class Run:
             time.sleep(0.1)
 
 
+class Fork:
+    """What Run uses of subprocess.Popen, for ``python script args`` or ``python -m module args`` run in a fork of this
+    process: the same files run as __main__, in a process of its own (its own session, environment, directory, stdout
+    and stderr on one pipe, exit code), without the 2 to 3 s of CPU a new interpreter spends importing torch, which
+    is imported here already. The suite's cost is mostly such imports (a launch's ranks, torchrun's agent)."""
+
+    def __init__(self, args, env, cwd):
+        assert not dist.is_initialized()  # a process group would be the fork's too
+        read, write = os.pipe()
+        self.pid, self.returncode = os.fork(), None
+        if self.pid == 0:
+            os.close(read)
+            os._exit(self._main(args, env, cwd, write))  # never back into pytest
+        os.close(write)
+        self.stdout = open(read, "rb")
+
+    @staticmethod
+    def _main(args, env, cwd, write):
+        """In the fork: what a new interpreter does for ``args``, down to the exit code, with what pytest changed in
+        this process undone: its stdout and stderr, signal handlers, warning filters, log handlers, exit handlers."""
+        try:
+            os.setsid()  # not in pytest's process group: a Ctrl-C reaches pytest only
+            for fd in (1, 2):
+                os.dup2(write, fd)
+            sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True)
+                                      for fd in (1, 2))
+            faulthandler.disable()
+            for number in set(signal.Signals) - {signal.SIGKILL, signal.SIGSTOP}:
+                if callable(signal.getsignal(number)) and signal.getsignal(number) is not signal.default_int_handler:
+                    signal.signal(number, signal.SIG_DFL)  # as exec leaves them (ignored ones stay ignored)
+            warnings.resetwarnings()  # then the interpreter's default filters, as `python` starts with
+            for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning, DeprecationWarning):
+                warnings.simplefilter("ignore", category)
+            warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+            warnings.showwarning = _print_warning
+            logging.root.handlers.clear()  # pytest's capture: torchrun's log lines go to stderr again
+            logging.root.setLevel(logging.WARNING)
+            atexit._clear()  # pytest's own; the script's run below, as at an interpreter's exit
+            os.environ.clear()
+            os.environ.update(env)
+            os.chdir(cwd)
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # a new interpreter reads it at torch's import
+            try:
+                if args[1] == "-m":
+                    sys.argv = [args[2], *args[3:]]
+                    runpy.run_module(args[2], run_name="__main__", alter_sys=True)
+                else:
+                    sys.argv, sys.path[0] = args[1:], os.path.dirname(os.path.abspath(args[1]))
+                    runpy.run_path(args[1], run_name="__main__")
+            finally:
+                atexit._run_exitfuncs()
+            return 0
+        except SystemExit as exit:  # as the interpreter reads it
+            if exit.code is None or isinstance(exit.code, int):
+                return exit.code or 0
+            print(exit.code, file=sys.stderr)
+            return 1
+        except BaseException:
+            traceback.print_exc()
+            return 1
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = time.monotonic() + (math.inf if timeout is None else timeout)
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.pid, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
+def _print_warning(message, category, filename, lineno, file=None, line=None):
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+# Fork only where this process sees no GPU: a fork could not hide one (torch has counted them here already).
+FORKS = torch.cuda.device_count() == 0
+
+
+def forks(env):
+    """Whether a launch with ``env`` may run in a fork: where it imports this repository's files, as this process."""
+    return FORKS and (env or {}).get("PYTHONPATH", str(ROOT)) == str(ROOT)
+
+
 def torchrun(script, nproc, *args, env=None):
-    """Start ``torchrun --standalone --nproc-per-node=nproc script args`` (not waited for)."""
+    """Start ``torchrun --standalone --nproc-per-node=nproc script args`` (not waited for); torchrun's agent runs in a
+    fork (Fork), its workers are new processes."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", ROOT / script]
-    return Run(command + list(args), env=env)
+    return Run(command + list(args), env=env, fork=forks(env))
 
 
 def python(script, *args, env=None):
-    """Start ``python script args``: one process, no torchrun."""
-    return Run([sys.executable, ROOT / script, *args], env=env)
+    """Start ``python script args``: one process, no torchrun, in a fork (Fork)."""
+    return Run([sys.executable, ROOT / script, *args], env=env, fork=forks(env))
 
 
 def launch(script, processes, *args, env=None):
