@@ -34,36 +34,17 @@ def test_sharded_training_matches_one_ddp_process_at_the_same_global_batch(ranks
         assert per_rank == [24 * metrics["param_count"] // 2] * 2, (metrics["param_count"], per_rank)
 
 
-def test_full_sharding_with_adamw_matches_ddp_on_the_same_ranks(mnist_dir, tmp_path):
-    # AdamW divides by the root of the squared gradients: where a gradient is near zero, another
-    # summation order's rounding becomes a step of +-lr in float32. So AdamW is compared with the same
-    # reduction layout (DDP on the same 2 ranks), in float64 like the SGD runs.
+def test_full_sharding_with_adamw_matches_one_ddp_process_at_the_same_global_batch(mnist_dir, tmp_path):
+    # AdamW divides by the root of the squared gradients: where a gradient is near zero, another summation order's
+    # rounding becomes a step of +-lr in float32. In float64 that rounding is ~1e-16, and the runs end ~3e-15 apart.
     common = [*mnist_args(mnist_dir), *EQUIVALENCE, "--optimizer", "adamw", "--lr", "1e-3"]
     paths = {name: tmp_path / f"{name}.pt" for name in ("ddp", "fsdp", "control")}
-    runs = [torchrun("train_ddp.py", 2, *common, "--batch-size", "16", "--save", paths["ddp"]),
+    runs = [python("train_ddp.py", *common, "--batch-size", "32", "--save", paths["ddp"]),
             torchrun("train_fsdp.py", 2, *common, "--batch-size", "16", "--sharding", "full", "--save", paths["fsdp"]),
             python("train_ddp.py", *common, "--batch-size", "16", "--save", paths["control"])]  # one rank's batch alone
     for run in runs:
         succeeded(run)
     assert_same_math(load_weights(paths["fsdp"]), load_weights(paths["ddp"]), load_weights(paths["control"]))
-
-
-@pytest.mark.parametrize("ranks, sharding", [(4, "full")])  # grad-op on 2 ranks: the equivalence test above
-def test_each_rank_holds_one_nth_of_the_training_state(ranks, sharding, mnist_dir, tmp_path):
-    # Weights + gradients + both AdamW moments of a width-8 BabyCNN (1.9M parameters): 16 bytes a
-    # parameter on every DDP rank (test_ddp.py measures it). After an evaluation, as every run by default.
-    metrics_path = tmp_path / "metrics.json"
-    succeeded(torchrun("train_fsdp.py", ranks, *mnist_args(mnist_dir), "--width", "8", "--optimizer", "adamw",
-                       "--batch-size", "8", "--max-steps", "2", "--sharding", sharding, "--metrics", metrics_path))
-    metrics = json.loads(metrics_path.read_text())
-    ddp_state_bytes = 16 * metrics["param_count"]
-    per_rank = [r["state_bytes"] for r in metrics["ranks"]]
-    assert len(per_rank) == ranks
-    # FSDP2 shards every parameter by rows; only uneven rows tip a rank over 1/N. The classifier's
-    # 10 rows split 3/3/3/1 on 4 ranks: 1.3% over at width 8 (2.5% at width 4, where it is a
-    # larger share of the model). Blocks still gathered after the evaluation would show as 1.3x.
-    assert max(per_rank) <= 1.02 * ddp_state_bytes / ranks, (ddp_state_bytes, per_rank)
-    assert sum(per_rank) == pytest.approx(ddp_state_bytes, rel=0.001)  # nothing lost, nothing held twice
 
 
 def test_bf16_mixed_precision_learns(mnist_dir, tmp_path):

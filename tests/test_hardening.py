@@ -1,6 +1,7 @@
 """Defects of the old plumbing, each with a test that failed on it: downloads under a collective's timeout, a
 fresh optimizer stepped once before training, the checkpoint's lr kept on resume, a stuck rank deaf to a second
-signal, autocast around backward, and the pipeline replicas all-reducing once per micro-step."""
+signal, autocast around backward. (The pipeline replicas all-reducing once per micro-step: test_pippy.py's layout
+with replicas.)"""
 
 import os
 import shutil
@@ -11,8 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import (
-    ROOT, EQUIVALENCE, alive, assert_same_math, child_env, load_weights, max_difference, mnist_args, python, succeeded,
-    torchrun, worker_pids,
+    ROOT, alive, child_env, load_weights, max_difference, mnist_args, python, succeeded, torchrun, worker_pids,
 )
 
 STAND_INS = ROOT / "tests" / "stand_ins"
@@ -88,14 +88,3 @@ def test_bf16_autocast_wraps_each_stage_forward_as_ddp_wraps_the_model(mnist_dir
         succeeded(run)
     # (That 2 stages learn in bf16: test_course.py's test_the_pipeline_trains_in_bf16.)
     assert max_difference(load_weights(tmp_path / "ddp.pt"), load_weights(tmp_path / "pipeline.pt")) == 0
-
-
-def test_pipeline_replicas_average_gradients_once_per_optimizer_step(reference, control, mnist_dir, tmp_path):
-    # Every schedule now trains replicated stages (DDP inside a stage allowed 1f1b only, and all-reduced at every
-    # micro-step); equivalence with one process shows the averaging is right with accumulation, here with two stages
-    # per rank (test_pippy.py: one).
-    run = torchrun("train_pippy.py", 4, *mnist_args(mnist_dir), *EQUIVALENCE, "--schedule", "looped-bfs",
-                   "--data-parallel", "2", "--batch-size", "8", "--grad-accum", "2", "--microbatches", "2",
-                   "--save", tmp_path / "pipeline.pt")
-    succeeded(run)
-    assert_same_math(load_weights(tmp_path / "pipeline.pt"), reference, control)

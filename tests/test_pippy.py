@@ -18,8 +18,8 @@ ACCUMULATE = ["--batch-size", "16", "--grad-accum", "2", "--microbatches", "4"] 
 NEIGHBOURS_REFUSED = torch.__version__ < (2, 14)  # two neighbouring stages on one rank, on gloo: train_pippy.py
 # name: (ranks, flags); every layout has global batch 32. Every schedule runs with accumulation (where the
 # schedule's own gradient scaling went wrong), and 4 stages without. Replicas average their gradients in one
-# all-reduce after the schedule's step, whatever the schedule: one layout here with one stage per rank, and
-# test_hardening.py's with two.
+# all-reduce after the schedule's step, whatever the schedule (DDP inside a stage allowed 1f1b only, and all-reduced
+# at every micro-step): the last layout, with two stages per rank, the gradients of both in that one all-reduce.
 LAYOUTS = {
     "gpipe-2-accumulate": (2, ["--schedule", "gpipe", *ACCUMULATE]),
     "1f1b-2-accumulate": (2, ["--schedule", "1f1b", *ACCUMULATE]),
@@ -28,8 +28,8 @@ LAYOUTS = {
     "looped-bfs-2x2-accumulate": (2, ["--schedule", "looped-bfs", "--stages-per-rank", "2", *ACCUMULATE]),
     "interleaved-zb-2x2-accumulate": (2, ["--schedule", "interleaved-zb", "--stages-per-rank", "2", *ACCUMULATE]),
     "zbv-2x2-accumulate": (2, ["--schedule", "zbv", *ACCUMULATE, "--no-eval"]),
-    "1f1b-2-stages-x-2-replicas-accumulate": (4, ["--schedule", "1f1b", "--data-parallel", "2", "--batch-size", "8",
-                                                  "--grad-accum", "2", "--microbatches", "4"]),
+    "looped-bfs-2x2-x-2-replicas-accumulate": (4, ["--schedule", "looped-bfs", "--data-parallel", "2", "--batch-size",
+                                                   "8", "--grad-accum", "2", "--microbatches", "2"]),
 }
 
 
@@ -81,7 +81,7 @@ def test_every_schedule_matches_one_ddp_process(name, reference, reference_metri
     assert stages == sorted(list(range(metrics["stages"])) * metrics["data_parallel"])
     assert sorted(b for r in metrics["ranks"] for bs in r["blocks"] for b in bs) == sorted([0, 1, 2, 3] * metrics["data_parallel"])
     if metrics["data_parallel"] == 2:  # pipeline outermost: a stage's replicas are neighbouring ranks
-        assert [r["stages"] for r in metrics["ranks"]] == [[0], [0], [1], [1]]
+        assert [r["stages"] for r in metrics["ranks"]] == [[0, 2], [0, 2], [1, 3], [1, 3]]
 
 
 # 30 steps of a 2-stage pipeline at a constant lr: 1.5 epochs of the 640 images, evaluated after each (partial) one.
