@@ -137,7 +137,9 @@ class Fork:
     def __init__(self, args, env, cwd):
         assert not dist.is_initialized()  # a process group would be the fork's too
         read, write = os.pipe()
-        self.pid, self.returncode = os.fork(), None
+        with warnings.catch_warnings():  # Python 3.12's: this process has threads (Run's readers), which the fork
+            warnings.simplefilter("ignore", DeprecationWarning)  # leaves behind, and none of whose locks it takes
+            self.pid, self.returncode = os.fork(), None
         if self.pid == 0:
             os.close(read)
             os._exit(self._main(args, env, cwd, write))  # never back into pytest
