@@ -221,14 +221,14 @@ def forks(env):
 
 
 def torchrun(script, nproc, *args, env=None):
-    """Start ``torchrun --standalone --nproc-per-node=nproc script args`` (not waited for); torchrun's agent runs in a
-    fork (Fork), its workers are new processes."""
+    """Start ``torchrun --standalone --nproc-per-node=nproc script args`` (not waited for): torchrun's agent in a fork
+    where it may be one (forks), its workers new processes."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", ROOT / script]
     return Run(command + list(args), env=env, fork=forks(env))
 
 
 def python(script, *args, env=None):
-    """Start ``python script args``: one process, no torchrun, in a fork (Fork)."""
+    """Start ``python script args``: one process, no torchrun, in a fork where it may be one (forks)."""
     return Run([sys.executable, ROOT / script, *args], env=env, fork=forks(env))
 
 
