@@ -227,9 +227,10 @@ def torchrun(script, nproc, *args, env=None):
     return Run(command + list(args), env=env, fork=forks(env))
 
 
-def python(script, *args, env=None):
-    """Start ``python script args``: one process, no torchrun, in a fork where it may be one (forks)."""
-    return Run([sys.executable, ROOT / script, *args], env=env, fork=forks(env))
+def python(script, *args, env=None, fork=True):
+    """Start ``python script args``: one process, no torchrun, in a fork where it may be one (forks), unless ``fork``
+    is False: a new interpreter, as a user's, where what importing torch prints counts."""
+    return Run([sys.executable, ROOT / script, *args], env=env, fork=fork and forks(env))
 
 
 def launch(script, processes, *args, env=None):

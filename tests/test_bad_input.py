@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from conftest import (
-    ROOT, Run, _write_idx, assert_one_line_error, child_env, launcher_env, mnist_args, run_sh,
+    ROOT, Run, _write_idx, assert_one_line_error, child_env, launcher_env, mnist_args, python, run_sh,
 )
 from models import data
 from models.data import synthetic_digits
@@ -157,8 +157,7 @@ def test_damaged_data_is_found_before_the_process_group(case, bad_data):
 
 
 def test_a_bad_input_without_torchrun_is_one_line(mnist_dir):
-    # A new interpreter, as a user's `python train_ddp.py` (not python()'s fork): what importing torch prints counts.
-    run = Run([sys.executable, ROOT / "train_ddp.py", *mnist_args(mnist_dir), "--batch-size", "641"]).wait()
+    run = python("train_ddp.py", *mnist_args(mnist_dir), "--batch-size", "641", fork=False).wait()
     assert_one_line_error(run, "--batch-size 641 x --grad-accum 1 is more than the 640 samples each of the 1 ranks "
                                "gets from mnist; make it smaller")
 
