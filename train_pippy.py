@@ -10,8 +10,8 @@ Through the wrapper: `bash run_pippy.sh [flags]`; for two nodes, on each node,
 
 What pipeline parallelism changes compared with train_ddp.py:
   setup  a device mesh: pipeline ranks x data-parallel replicas (--data-parallel D)
-  model  only this rank's blocks are built (the rest of BabyCNN becomes nn.Identity), on meta,
-         then materialised and initialised
+  model  built whole from the seed, as in train_ddp.py; model.blocks is cut into stages of equal FLOPs,
+         and each rank keeps only its stages' blocks (the others become nn.Identity)
   wrap   each local stage becomes a PipelineStage; a schedule (GPipe, 1F1B, interleaved, ...) runs
          the microbatches through all of them
   loop   schedule.step(): the first stage feeds inputs, the last stage computes the loss; the
@@ -21,6 +21,7 @@ What pipeline parallelism changes compared with train_ddp.py:
 Every collective is called here, or in a call marked "collective" (every rank must make it).
 """
 
+import functools
 import os
 from datetime import timedelta
 
@@ -34,6 +35,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS, ScheduleZBVZeroBubble,
 )
 from torch.utils.data.distributed import DistributedSampler
+from torch.utils.flop_counter import FlopCounterMode
 
 from models import BabyCNN, data
 from plumbing import core, hardening
@@ -129,14 +131,18 @@ def main():
         train_batches = core.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
         test_batches = core.Batches(test_set, args.batch_size, device, dtype, args.workers)
 
-        # ---- model: this rank's blocks only (the others become nn.Identity), on meta, then initialised ----
+        # ---- model: whole on every rank, from the seed (the initial weights of train_ddp.py, for any model) ----
+        # Then each rank keeps only its stages' blocks. (A model too big for one device is built on the meta device
+        # instead, and each rank initialises its blocks: docs/pipeline.md says how.)
         torch.manual_seed(args.seed)
         channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W): BabyCNN's input
-        model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device="meta", dtype=dtype)
+        model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
         param_count = sum(p.numel() for p in model.parameters())
-        if num_stages > len(model.blocks):
+        sample = next(core.Batches(train_set, 1, device, dtype)([0]))[0]  # one input, as the first stage gets it
+        flops = block_flops(model, sample)  # of each of model.blocks, which the stages are cut from
+        if num_stages > len(flops):
             raise core.UsageError(f"{pipeline_ranks} pipeline ranks x {stages_per_rank} stages per rank = "
-                                  f"{num_stages} stages, but BabyCNN has only {len(model.blocks)} blocks")
+                                  f"{num_stages} stages, but model.blocks has only {len(flops)} blocks")
         # A rank holds two neighbouring stages in the V (zbv), and in the loop placement with one pipeline rank.
         neighbours_on_one_rank = num_stages > 1 and (args.schedule == "zbv" or pipeline_ranks == 1)
         if neighbours_on_one_rank and backend == "gloo" and torch.__version__ < (2, 14):  # seen on 2.9 and 2.11
@@ -151,26 +157,25 @@ def main():
                 f"{torch.__version__} when a rank holds two neighbouring stages (\"can't steal_bwd_input if this "
                 "stage doesn't have backward\"); add --no-eval"
             )
-        stage_blocks = model.stage_blocks(num_stages)  # contiguous blocks per stage, balanced by compute
+        stage_blocks = balanced_stages(flops, num_stages)  # contiguous blocks per stage
+        blocks = model.blocks
         # Loop placement puts stage s on rank s % ranks; the V (zbv) gives rank r stages r and 2 x ranks - 1 - r.
         if args.schedule == "zbv":
             stage_indices = [pp_rank, 2 * pipeline_ranks - 1 - pp_rank]
         else:
             stage_indices = [pp_rank + k * pipeline_ranks for k in range(stages_per_rank)]
         local_blocks = [block for stage_index in stage_indices for block in stage_blocks[stage_index]]
-        for block_index in range(len(model.blocks)):
+        for block_index in range(len(blocks)):
             if block_index not in local_blocks:
                 # Parameter names stay the whole model's (blocks.2.conv1.weight): checkpoints and saves line up.
-                model.blocks[block_index] = nn.Identity()
-        model.to_empty(device=device)
-        model.reset_parameters()  # row-seeded: the values the whole model gets on one process
+                blocks[block_index] = nn.Identity()
 
         # ---- wrap: a PipelineStage per local stage, one schedule for all ----
         pp_group = mesh.get_group("pp")
         stages = []
         for stage_index in stage_indices:
             # Shares model's blocks: the optimizer and the checkpoints see the same parameters.
-            stage_model = Stage([model.blocks[block] for block in stage_blocks[stage_index]], autocast)
+            stage_model = Stage([blocks[block] for block in stage_blocks[stage_index]], autocast)
             stages.append(PIPELINE_STAGE(stage_model, stage_index, num_stages, device, group=pp_group))
         has_first_stage, has_last_stage = 0 in stage_indices, num_stages - 1 in stage_indices
 
@@ -261,6 +266,8 @@ def main():
             # ---- evaluate: each replica scores a slice of the test set; the sums are all-reduced ----
             if args.no_eval:
                 continue
+            for buffer in model.buffers():  # BatchNorm's running statistics, each replica's own: replica 0's, which it saves
+                dist.broadcast(buffer, group=mesh.get_group("dp"), group_src=0)
             model.eval()
 
             def pipeline_forward(images, labels):  # forward only, through every stage: logits on the last one
@@ -341,6 +348,41 @@ class OlderPipelineStage(PipelineStage):
 
 # Before 2.14 only: 2.14 needs neither workaround, and later releases may change the private methods they override.
 PIPELINE_STAGE = PipelineStage if torch.__version__ >= (2, 14) else OlderPipelineStage
+
+
+@torch.no_grad()
+def block_flops(model, sample):
+    """The FLOPs of each of model.blocks on ``sample``, in eval mode (no running statistics change). Raises a
+    UsageError (one line, exit 2) if the model has no blocks, or if its forward does more than run them in order:
+    the stages would train another model."""
+    if not isinstance(getattr(model, "blocks", None), (nn.Sequential, nn.ModuleList)):
+        raise core.UsageError("train_pippy.py cuts model.blocks into stages: give your model a blocks "
+                              "(an nn.Sequential) that its forward runs in order, and nothing else")
+    model.eval()
+    flops, x = [], sample
+    for block in model.blocks:
+        with FlopCounterMode(display=False) as counter:
+            x = block(x)
+        flops.append(counter.get_total_flops())
+    whole = model(sample)
+    model.train()
+    if x.shape != whole.shape or not torch.allclose(x, whole, rtol=1e-3, atol=1e-6):
+        raise core.UsageError("train_pippy.py cuts model.blocks into stages, but your model's forward does more than "
+                              "run its blocks in order: move that work into blocks (nn.Flatten(), ...)")
+    return flops
+
+
+def balanced_stages(costs, num_stages):
+    """Contiguous groups of block indices, one per stage, whose costliest group costs the least (a pipeline runs at
+    the pace of its slowest stage); the blocks after the first group are split by the same rule."""
+    @functools.cache
+    def best(start, stages):  # (cost of the costliest group, the groups) of blocks start, start + 1, ...
+        if stages == 1:
+            return sum(costs[start:]), (tuple(range(start, len(costs))),)
+        return min((max(sum(costs[start:end]), best(end, stages - 1)[0]), (tuple(range(start, end)),)
+                    + best(end, stages - 1)[1]) for end in range(start + 1, len(costs) - stages + 2))
+
+    return [list(group) for group in best(0, num_stages)[1]]
 
 
 def check_microbatches(args, num_stages, pipeline_ranks):

@@ -15,6 +15,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import BabyCNN  # noqa: E402
+from train_pippy import balanced_stages, block_flops  # noqa: E402  the script's split
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--stages", type=int, default=2)
@@ -25,7 +26,7 @@ args = parser.parse_args()
 model = BabyCNN()
 x = torch.randn(args.microbatch, 1, 28, 28)
 seconds = []
-for blocks in model.stage_blocks(args.stages):
+for blocks in balanced_stages(block_flops(model, x[:1]), args.stages):
     stage = nn.Sequential(*(model.blocks[b] for b in blocks))
     inputs = x.clone().requires_grad_(blocks[0] > 0)  # later stages also compute the input's gradient
     for repeat in range(args.repeats + 5):

@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from figures import IDLE, figure, frame, ink, lighter, save  # noqa: E402  the look of docs/figures.py
 from models import BabyCNN  # noqa: E402
-from train_pippy import SCHEDULES, Stage  # noqa: E402  the --schedule names and their classes, as the script maps them
+from train_pippy import SCHEDULES, Stage, balanced_stages, block_flops  # noqa: E402  the --schedule names and their classes, as the script maps them
 
 WORLD = 2
 WARMUP, RECORDED = 2, 3  # steps run before recording (DDP rebuilds its buckets after the first), steps recorded
@@ -253,7 +253,7 @@ def pipeline_steps():
             stage_indices = [rank + k * WORLD for k in range(stages_per_rank)]
         torch.manual_seed(0)
         model = BabyCNN()
-        stage_blocks = model.stage_blocks(num_stages)
+        stage_blocks = balanced_stages(block_flops(model, images[:1]), num_stages)  # as train_pippy.py splits
         log, stages = [], []
         for stage_index in stage_indices:
             stage_model = Stage([model.blocks[block] for block in stage_blocks[stage_index]], nullcontext())  # fp32

@@ -5,13 +5,14 @@ blocks of roughly equal compute, so the same model can be
 
 * replicated whole (DDP),
 * sharded block by block (FSDP2 calls ``fully_shard`` on each block, then on the root),
-* cut into 1, 2 or 4 pipeline stages (``stage_blocks`` hands out contiguous groups of blocks).
+* cut into pipeline stages (``train_pippy.py`` groups contiguous blocks of about equal FLOPs).
 
 Initialisation is deterministic *per output row*: every row of every parameter draws from its own
 generator, seeded from ``torch.initial_seed()``, the parameter's name and the row's global index.
-So a rank that holds only some rows (an FSDP shard) or only some blocks (a pipeline stage) can
-initialise exactly its part on the ``meta``-built model, and still get the very values the whole
-model would get on one process with the same seed. (DTensor's own random ops cannot do this on the
+So a rank that holds only some rows (an FSDP shard) or only some blocks (a pipeline stage) could
+initialise exactly its part of a ``meta``-built model, and still get the very values the whole
+model gets on one process with the same seed. (The scripts build the model whole, which is right
+for any model's init; ``docs/fsdp.md`` says when meta is needed.) (DTensor's own random ops cannot do this on the
 CPU: they reproduce a full tensor only on CUDA-like devices.)
 """
 
@@ -77,48 +78,6 @@ class BabyCNN(nn.Module):
 
     def forward(self, x):
         return self.blocks(x)
-
-    def block_costs(self):
-        """Forward multiply-accumulates per sample of each block, for balancing pipeline stages."""
-        size = self.config["image_size"]
-        costs = []
-        for block in self.blocks:
-            macs = 0
-            for layer in block.modules():
-                if isinstance(layer, nn.Conv2d):
-                    macs += layer.weight.numel() * size * size
-                elif isinstance(layer, nn.Linear):
-                    macs += layer.weight.numel()
-                elif isinstance(layer, nn.MaxPool2d):
-                    size //= 2
-            costs.append(macs)
-        return costs
-
-    def stage_blocks(self, num_stages):
-        """Split the blocks into ``num_stages`` contiguous groups that balance compute.
-
-        Returns a list of lists of block indices. The split minimises the most expensive stage
-        (the pipeline runs at the pace of its slowest stage).
-        """
-        costs = self.block_costs()
-        if not 1 <= num_stages <= len(costs):
-            raise ValueError(
-                f"BabyCNN has {len(costs)} blocks, so it splits into 1 to {len(costs)} stages, not {num_stages}")
-        best = None
-
-        def search(start, stages_left, groups):
-            nonlocal best
-            if stages_left == 1:
-                groups = groups + [list(range(start, len(costs)))]
-                worst = max(sum(costs[i] for i in g) for g in groups)
-                if best is None or worst < best[0]:
-                    best = (worst, groups)
-                return
-            for end in range(start + 1, len(costs) - stages_left + 2):
-                search(end, stages_left - 1, groups + [list(range(start, end))])
-
-        search(0, num_stages, [])
-        return best[1]
 
     @torch.no_grad()
     def reset_parameters(self):

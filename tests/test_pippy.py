@@ -147,7 +147,7 @@ def test_a_run_resumed_at_an_epoch_end_evaluates_first_and_trains_on_as_if_never
 
 BAD_LAYOUTS = {  # case: (processes, flags, the error line it must give); one process where the world size does not matter
     "batch-not-divisible": (1, ["--batch-size", "30", "--microbatches", "8"], "--batch-size 30 does not split into --microbatches 8 equal microbatches"),
-    "more-stages-than-blocks": (1, ["--schedule", "looped-bfs", "--stages-per-rank", "5"], "5 stages, but BabyCNN has only 4 blocks"),
+    "more-stages-than-blocks": (1, ["--schedule", "looped-bfs", "--stages-per-rank", "5"], "5 stages, but model.blocks has only 4 blocks"),
     "single-stage-schedule": (1, ["--schedule", "gpipe", "--stages-per-rank", "2"], "--schedule gpipe runs one stage per rank"),
     "zbv-eval": (1, ["--schedule", "zbv"], neighbours_refused("zbv") if NEIGHBOURS_REFUSED else "--schedule zbv trains, but its forward-only evaluation fails"),
     "one-pipeline-rank-eval": (1, ["--schedule", "looped-bfs"], neighbours_refused("looped-bfs") if NEIGHBOURS_REFUSED else "--schedule looped-bfs trains, but its forward-only evaluation fails"),
