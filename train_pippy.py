@@ -324,13 +324,14 @@ class Stage(nn.Sequential):
 
 
 class OlderPipelineStage(PipelineStage):
-    """A PipelineStage without two bugs of torch before 2.14 (seen on 2.9 and 2.11). On 2.9, at the first step() or
+    """A PipelineStage without three bugs of torch before 2.14 (seen on 2.9 and 2.11). On 2.9, at the first step() or
     eval(), its schedules open the links between stages by sending an int64 scalar into a float32 buffer: gloo aborts
-    ("8 vs 4. Received data size doesn't match expected size"; fixed in 2.10, pytorch PR 165539). And an eval() before
+    ("8 vs 4. Received data size doesn't match expected size"; fixed in 2.10, pytorch PR 165539). An eval() before
     the first step() (a run resumed at an epoch's end) sets the stage up without its backward, for good: that step()
-    fails (pytorch issue 162822)."""
+    fails (pytorch issue 162822). And on 2.9, to learn the shape of its output, a stage runs its blocks once on
+    zeros in training mode: BatchNorm counts that batch in its running statistics (2.14 runs them on meta)."""
 
-    # Both override private methods of those releases' stage.
+    # All override private methods of those releases' stage.
     def _get_init_p2p_neighbors_ops(self):
         ops = super()._get_init_p2p_neighbors_ops()
         for op in ops:
@@ -345,8 +346,16 @@ class OlderPipelineStage(PipelineStage):
         self.has_backward = training
         return outputs
 
+    def _shape_inference(self, *args, **kwargs):
+        training = self.submod.training
+        self.submod.eval()  # the same shapes, and no running statistics updated
+        try:
+            return super()._shape_inference(*args, **kwargs)
+        finally:
+            self.submod.train(training)
 
-# Before 2.14 only: 2.14 needs neither workaround, and later releases may change the private methods they override.
+
+# Before 2.14 only: 2.14 needs none of these workarounds, and later releases may change the private methods they override.
 PIPELINE_STAGE = PipelineStage if torch.__version__ >= (2, 14) else OlderPipelineStage
 
 
@@ -390,9 +399,10 @@ def check_microbatches(args, num_stages, pipeline_ranks):
     if args.batch_size % args.microbatches:
         raise core.UsageError(
             f"--batch-size {args.batch_size} does not split into --microbatches {args.microbatches} equal microbatches")
-    if args.schedule == "1f1b" and args.microbatches < num_stages:
-        raise core.UsageError(f"--schedule 1f1b needs at least as many microbatches as stages ({num_stages}), "
-                              f"got --microbatches {args.microbatches}")
+    # GPipe too, as torch 2.9 refuses it (2.14 does not: a step with fewer microbatches than stages overlaps nothing)
+    if args.schedule in ("gpipe", "1f1b", "zbv") and args.microbatches < num_stages:
+        raise core.UsageError(f"--schedule {args.schedule} needs at least as many microbatches as stages "
+                              f"({num_stages}), got --microbatches {args.microbatches}")
     if args.schedule in ("interleaved-1f1b", "interleaved-zb"):
         rounds = max(1, args.microbatches // pipeline_ranks)
         if args.microbatches % rounds:
@@ -400,9 +410,6 @@ def check_microbatches(args, num_stages, pipeline_ranks):
                 f"--schedule {args.schedule} runs microbatches in rounds of {pipeline_ranks} (the pipeline ranks): "
                 f"--microbatches {args.microbatches} is not a multiple of its {rounds} rounds"
             )
-    if args.schedule == "zbv" and args.microbatches < num_stages:
-        raise core.UsageError(f"--schedule zbv needs at least as many microbatches as stages ({num_stages}), "
-                              f"got --microbatches {args.microbatches}")
 
 
 if __name__ == "__main__":
