@@ -53,7 +53,7 @@ def main():
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     rank, world_size = dist.get_rank(), dist.get_world_size()  # rank decides who logs and writes files
     try:
-        log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
+        log = core.log if rank == 0 else (lambda line: None)  # above rank 0's progress bar
 
         # ---- data: map-style Datasets (bundled: on the device); DistributedSampler deals this rank's share ----
         dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)  # collective
@@ -80,6 +80,7 @@ def main():
         channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W): BabyCNN's input
         model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
         param_count = sum(p.numel() for p in model.parameters())
+        flops = core.flops_per_sample(model, train_set, device, dtype)  # one sample's forward and backward
         if args.compile:  # the whole model in place (names stay); on a GPU, CUDA graphs: a step's kernels in one launch
             model.compile(mode="reduce-overhead" if device.type == "cuda" else None)
         # A CUDA graph's next replay reuses its outputs' memory, so gradients summed over micro-steps need buffers
@@ -104,11 +105,14 @@ def main():
             f"{f'DDP on {world_size} rank(s)' if world_size > 1 else 'one process, no DDP wrapper'} ({backend}, {device.type}): "
             f"batch {args.batch_size} per rank x grad-accum {args.grad_accum} x {world_size} ranks = global batch "
             f"{global_batch_size}; peak lr {peak_lr:g} after {warmup_steps} warmup steps; "
-            f"{param_count:,} parameters; {args.precision}; {dataset_name}; {total_steps} steps"
+            f"{param_count:,} parameters; {flops / 1e6:,.1f} MFLOPs a sample; {args.precision}; {dataset_name}; "
+            f"{total_steps} steps"
         )
 
         # ---- train loop ----
-        progress = core.Progress(total_steps, global_batch_size, args.log_every, device, log, resumed["step"])
+        progress = core.Progress(total_steps, global_batch_size, args.log_every, device, log, resumed["step"],
+                                 args.log_dir)
+        profiler = core.Profiler(args, rank, device, resumed["step"], total_steps)  # one line if it cannot
         window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device: no per-step sync
         stop, stop_signal = hardening.StopSignals(), 0  # SIGTERM, SIGUSR1, Ctrl-C; stop_signal: the one ranks agreed on
         test_loss = test_accuracy = None  # stay None with --no-eval
@@ -116,7 +120,7 @@ def main():
         for epoch in range(first_epoch, -(-total_steps // steps_per_epoch)):
             sampler.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
             model.train()
-            progress.start_epoch()
+            progress.start_epoch(epoch)
             first = first_step_in_epoch if epoch == first_epoch else 0
             last = min(steps_per_epoch, first + total_steps - progress.step)
             batches = train_batches(list(sampler)[first * samples_per_step :])  # from where a resumed run stopped
@@ -150,6 +154,7 @@ def main():
                     agreed = torch.tensor(stop.received, device=device)
                     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
                     stop_signal = int(agreed)
+                profiler.after_step(progress.step)  # --profile-steps: starts or stops here
                 # Also at the last step: a job requeued after it finished finds nothing left to train.
                 last_step = progress.step == total_steps
                 if args.checkpoint_dir and (stop_signal or last_step or progress.step % args.checkpoint_every == 0):
@@ -168,10 +173,13 @@ def main():
                 totals = core.evaluate(model, test_batches, rank, world_size)  # loss sum, correct, count on this rank
             dist.all_reduce(totals)
             test_loss, test_accuracy = (totals[:2] / totals[2]).tolist()
+            progress.record_test(test_loss, test_accuracy)  # --log-dir's row
             log(
                 f"epoch {epoch + 1}: step {progress.step}, train loss {progress.final_train_loss:.4f} (all ranks), "
                 f"test loss {test_loss:.4f}, test accuracy {test_accuracy:.2%}"
             )
+
+        progress.close()  # the bar's last state stays on the screen
 
         # ---- save: rank 0 writes the plain model's weights (not the wrapper's: no "module." prefix) ----
         if args.save and rank == 0:
@@ -185,7 +193,7 @@ def main():
                     "strategy": "ddp", "world_size": world_size, "global_batch_size": global_batch_size,
                     **progress.summary(), "test_loss": test_loss, "test_accuracy": test_accuracy,
                     "param_count": param_count, "precision": args.precision, "dataset": dataset_name,
-                    "peak_lr": peak_lr, "ranks": ranks,
+                    "peak_lr": peak_lr, "ranks": ranks, **core.throughput(flops, progress.rate(), device, args.precision),
                 }, args.metrics)
     finally:
         ddp_model = no_sync = None  # DDP holds the group: let go first, and destroy_process_group ends gloo's threads

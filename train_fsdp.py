@@ -66,7 +66,7 @@ def main():
     rank, world_size = dist.get_rank(), dist.get_world_size()  # rank decides who logs and writes files
     mesh = None  # for the finally below, if setup fails before the mesh exists
     try:
-        log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
+        log = core.log if rank == 0 else (lambda line: None)  # above rank 0's progress bar
 
         # The device mesh FSDP shards over: every rank in one row, or R replica groups (rows) for hybrid.
         if args.sharding == "hybrid":
@@ -115,6 +115,7 @@ def main():
         channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W): BabyCNN's input
         model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
         param_count = sum(p.numel() for p in model.parameters())
+        flops = core.flops_per_sample(model, train_set, device, dtype)  # one sample's forward and backward
         units = shard_units(model)  # [(parent, name)]: BabyCNN's 4 blocks
         if args.compile:  # each unit in place, so its class and parameter names stay (torchtitan compiles per block)
             for parent, name in units:
@@ -154,11 +155,14 @@ def main():
             f"({backend}, {device.type}): "
             f"batch {args.batch_size} per rank x grad-accum {args.grad_accum} x {world_size} ranks = global batch "
             f"{global_batch_size}; peak lr {peak_lr:g} after {warmup_steps} warmup steps; "
-            f"{param_count:,} parameters; {args.precision}; {dataset_name}; {total_steps} steps"
+            f"{param_count:,} parameters; {flops / 1e6:,.1f} MFLOPs a sample; {args.precision}; {dataset_name}; "
+            f"{total_steps} steps"
         )
 
         # ---- train loop ----
-        progress = core.Progress(total_steps, global_batch_size, args.log_every, device, log, resumed["step"])
+        progress = core.Progress(total_steps, global_batch_size, args.log_every, device, log, resumed["step"],
+                                 args.log_dir)
+        profiler = core.Profiler(args, rank, device, resumed["step"], total_steps)  # one line if it cannot
         window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device: no per-step sync
         stop, stop_signal = hardening.StopSignals(), 0  # SIGTERM, SIGUSR1, Ctrl-C; stop_signal: the one ranks agreed on
         test_loss = test_accuracy = None  # stay None with --no-eval
@@ -166,7 +170,7 @@ def main():
         for epoch in range(first_epoch, -(-total_steps // steps_per_epoch)):
             sampler.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
             model.train()
-            progress.start_epoch()
+            progress.start_epoch(epoch)
             first = first_step_in_epoch if epoch == first_epoch else 0
             last = min(steps_per_epoch, first + total_steps - progress.step)
             batches = train_batches(list(sampler)[first * samples_per_step :])  # from where a resumed run stopped
@@ -202,6 +206,7 @@ def main():
                     agreed = torch.tensor(stop.received, device=device)
                     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
                     stop_signal = int(agreed)
+                profiler.after_step(progress.step)  # --profile-steps: starts or stops here
                 # Also at the last step: a job requeued after it finished finds nothing left to train.
                 last_step = progress.step == total_steps
                 if args.checkpoint_dir and (stop_signal or last_step or progress.step % args.checkpoint_every == 0):
@@ -219,6 +224,7 @@ def main():
             totals = core.evaluate(model, test_batches, rank, world_size)  # each forward all-gathers: every rank
             dist.all_reduce(totals)
             test_loss, test_accuracy = (totals[:2] / totals[2]).tolist()
+            progress.record_test(test_loss, test_accuracy)  # --log-dir's row
             for module in model.modules():  # no backward follows these forwards to free what they gathered
                 if isinstance(module, FSDPModule):  # (the last block; every block with grad-op)
                     module.reshard()
@@ -226,6 +232,8 @@ def main():
                 f"epoch {epoch + 1}: step {progress.step}, train loss {progress.final_train_loss:.4f} (all ranks), "
                 f"test loss {test_loss:.4f}, test accuracy {test_accuracy:.2%}"
             )
+
+        progress.close()  # the bar's last state stays on the screen
 
         # ---- save: every rank sends its shards; rank 0 gets the full state dict in CPU memory and writes ----
         if args.save:
@@ -243,7 +251,7 @@ def main():
                     "mesh": list(mesh.shape), "world_size": world_size, "global_batch_size": global_batch_size,
                     **progress.summary(), "test_loss": test_loss, "test_accuracy": test_accuracy,
                     "param_count": param_count, "precision": args.precision, "dataset": dataset_name,
-                    "peak_lr": peak_lr, "ranks": ranks,
+                    "peak_lr": peak_lr, "ranks": ranks, **core.throughput(flops, progress.rate(), device, args.precision),
                 }, args.metrics)
     finally:
         # torch 2.14's DTensor caches keep the mesh for good, and the mesh its group: let go of it (private; 2.9 has

@@ -79,7 +79,7 @@ def main():
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     rank, world_size = dist.get_rank(), dist.get_world_size()  # rank decides who logs and writes files
     try:
-        log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
+        log = core.log if rank == 0 else (lambda line: None)  # above rank 0's progress bar
 
         # The device mesh: world_size / D pipeline ranks (rows), each with D replicas (columns). Pipeline
         # outermost, as in torchtitan: a stage's D replicas are neighbouring ranks, so on one node where
@@ -138,11 +138,12 @@ def main():
         channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W): BabyCNN's input
         model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
         param_count = sum(p.numel() for p in model.parameters())
+        flops = core.flops_per_sample(model, train_set, device, dtype)  # one sample's forward and backward
         sample = next(core.Batches(train_set, 1, device, dtype)([0]))[0]  # one input, as the first stage gets it
-        flops = block_flops(model, sample)  # of each of model.blocks, which the stages are cut from
-        if num_stages > len(flops):
+        costs = block_flops(model, sample)  # of each of model.blocks, which the stages are cut from
+        if num_stages > len(costs):
             raise core.UsageError(f"{pipeline_ranks} pipeline ranks x {stages_per_rank} stages per rank = "
-                                  f"{num_stages} stages, but model.blocks has only {len(flops)} blocks")
+                                  f"{num_stages} stages, but model.blocks has only {len(costs)} blocks")
         # A rank holds two neighbouring stages in the V (zbv), and in the loop placement with one pipeline rank.
         neighbours_on_one_rank = num_stages > 1 and (args.schedule == "zbv" or pipeline_ranks == 1)
         if neighbours_on_one_rank and backend == "gloo" and torch.__version__ < (2, 14):  # seen on 2.9 and 2.11
@@ -157,7 +158,7 @@ def main():
                 f"{torch.__version__} when a rank holds two neighbouring stages (\"can't steal_bwd_input if this "
                 "stage doesn't have backward\"); add --no-eval"
             )
-        stage_blocks = balanced_stages(flops, num_stages)  # contiguous blocks per stage
+        stage_blocks = balanced_stages(costs, num_stages)  # contiguous blocks per stage
         blocks = model.blocks
         # Loop placement puts stage s on rank s % ranks; the V (zbv) gives rank r stages r and 2 x ranks - 1 - r.
         if args.schedule == "zbv":
@@ -200,11 +201,14 @@ def main():
             f"on {world_size} rank(s) ({backend}, {device.type}): batch {args.batch_size} per replica in "
             f"{args.microbatches} microbatches x grad-accum {args.grad_accum} x {args.data_parallel} replicas = global "
             f"batch {global_batch_size}; peak lr {peak_lr:g} after {warmup_steps} warmup steps; "
-            f"{param_count:,} parameters; {args.precision}; {dataset_name}; {total_steps} steps"
+            f"{param_count:,} parameters; {flops / 1e6:,.1f} MFLOPs a sample; {args.precision}; {dataset_name}; "
+            f"{total_steps} steps"
         )
 
         # ---- train loop ----
-        progress = core.Progress(total_steps, global_batch_size, args.log_every, device, log, resumed["step"])
+        progress = core.Progress(total_steps, global_batch_size, args.log_every, device, log, resumed["step"],
+                                 args.log_dir)
+        profiler = core.Profiler(args, rank, device, resumed["step"], total_steps)  # one line if it cannot
         window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device: no per-step sync
         stop, stop_signal = hardening.StopSignals(), 0  # SIGTERM, SIGUSR1, Ctrl-C; stop_signal: the one ranks agreed on
         test_loss = test_accuracy = None  # stay None with --no-eval
@@ -212,7 +216,7 @@ def main():
         for epoch in range(first_epoch, -(-total_steps // steps_per_epoch)):
             sampler.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
             model.train()
-            progress.start_epoch()
+            progress.start_epoch(epoch)
             first = first_step_in_epoch if epoch == first_epoch else 0
             last = min(steps_per_epoch, first + total_steps - progress.step)
             batches = train_batches(list(sampler)[first * samples_per_step :])  # from where a resumed run stopped
@@ -255,6 +259,7 @@ def main():
                     agreed = torch.tensor(stop.received, device=device)
                     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
                     stop_signal = int(agreed)
+                profiler.after_step(progress.step)  # --profile-steps: starts or stops here
                 # Also at the last step: a job requeued after it finished finds nothing left to train.
                 last_step = progress.step == total_steps
                 if args.checkpoint_dir and (stop_signal or last_step or progress.step % args.checkpoint_every == 0):
@@ -279,10 +284,13 @@ def main():
                                    pipeline=True)  # zeros where no last stage
             dist.all_reduce(totals)
             test_loss, test_accuracy = (totals[:2] / totals[2]).tolist()
+            progress.record_test(test_loss, test_accuracy)  # --log-dir's row
             log(
                 f"epoch {epoch + 1}: step {progress.step}, train loss {progress.final_train_loss:.4f} (last stage), "
                 f"test loss {test_loss:.4f}, test accuracy {test_accuracy:.2%}"
             )
+
+        progress.close()  # the bar's last state stays on the screen
 
         # ---- save: replica 0's stages send their weights to rank 0, which writes one state dict ----
         if args.save:
@@ -304,6 +312,7 @@ def main():
                     "global_batch_size": global_batch_size, **progress.summary(), "test_loss": test_loss,
                     "test_accuracy": test_accuracy, "param_count": param_count, "precision": args.precision,
                     "dataset": dataset_name, "peak_lr": peak_lr, "ranks": ranks,
+                    **core.throughput(flops, progress.rate(), device, args.precision),
                 }, args.metrics)
     finally:
         schedule = stages = pp_group = mesh = None  # they hold the groups: let go, and destroy ends gloo's threads

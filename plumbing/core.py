@@ -1,7 +1,9 @@
 """Flags, optimizer, lr, batches, evaluation, logs, files: what a script needs beside model and data. No collectives."""
 
 import argparse
+import csv
 import errno
+import io
 import json
 import math
 import os
@@ -15,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.flop_counter import FlopCounterMode
+from tqdm import tqdm
 
 
 class UsageError(Exception):
@@ -25,12 +29,29 @@ class NodeError(UsageError):
     """A problem of one node (its GPUs), found before the process group exists: each such node says it."""
 
 
+BARS = []  # rank 0's progress bar (Progress): closed before a last line (an error, a stop), which goes below it
+
+
 def say(line, rank=None):  # on stderr, from the process whose global (or given) rank is 0, on every torchrun attempt
     if (int(os.environ.get("RANK", "0")) if rank is None else rank) != 0:
         return False
+    for bar in BARS:
+        bar.close()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     print(line + (f" (torchrun restart {attempt})" if attempt else ""), file=sys.stderr, flush=True)
     return True
+
+
+def log(line):  # rank 0's lines, on stdout, above its progress bar
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
+
+
+def step_range(text):  # argparse type: "A:B", optimizer steps from 1, A <= B
+    first, _, last = text.partition(":")
+    if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+        raise argparse.ArgumentTypeError(f"give two steps A:B, 1 <= A <= B, not {text!r}")
+    return int(first), int(last)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,6 +103,9 @@ def parser(description, *more):  # the flags all three scripts share, then those
     add("--keep-checkpoints", type=number(int, 1), default=2, help="how many of the newest checkpoints to keep")
     add("--save", metavar="PATH", help="write the final weights as a plain state dict (rank 0)")
     add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")
+    add("--log-dir", metavar="DIR", help="rank 0 appends a row per logging step and per evaluation to DIR/metrics.csv")
+    add("--profile-steps", metavar="A:B", type=step_range, help="a torch.profiler trace of steps A to B per rank, "
+        "in --log-dir")
     for add_more in more:
         add_more(p)
     return p
@@ -149,6 +173,28 @@ class Batches:
                    labels.to(self.device, non_blocking=True))
 
 
+def flops_per_sample(model, dataset, device, dtype):
+    """The FLOPs of a forward and a backward of ``model`` on one sample of ``dataset``, counted by FlopCounterMode (the
+    matrix multiplies and convolutions), in eval mode: no running statistics change, and BatchNorm takes one sample."""
+    inputs = next(Batches(dataset, 1, device, dtype)([0]))[0]
+    model.eval()
+    with FlopCounterMode(display=False) as counter:
+        model(inputs).sum().backward()
+    model.train()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense tensor-core FLOP/s, the SXM parts' data sheets
+
+
+def throughput(flops, samples_per_second, device, precision):  # the metrics' FLOP/s, and MFU where the peak is known
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    peak = next((v for gpu, v in PEAK_BF16.items() if gpu in name), None) if precision == "bf16" else None
+    achieved = flops * samples_per_second
+    return {"flops_per_sample": flops, "flops_per_second": achieved, "mfu": achieved / peak if peak else None}
+
+
 @torch.no_grad()
 def evaluate(forward, batches, rank, world_size, pipeline=False):
     """This replica's (loss sum, correct, count) of ``forward`` on its slice of ``batches.dataset``, to all-reduce.
@@ -212,22 +258,31 @@ def save_json(value, path):
 
 
 class Progress:
-    """Rank 0's line at each logging step, the loss curve ([step, loss, training seconds]) and the training clock:
-    on a GPU it waits for the kernels, so it is read only at logging steps (evaluation excluded)."""
+    """Rank 0's progress: in a terminal a bar redrawn in place (tqdm), elsewhere (a pipe, a SLURM log) a line at each
+    logging step; --log-dir's rows; the loss curve ([step, loss, training seconds]) and the training clock: on a GPU
+    it waits for the kernels, so it is read only at logging steps (evaluation excluded)."""
 
-    def __init__(self, total_steps, global_batch_size, log_every, device, log, start_step=0):
+    def __init__(self, total_steps, global_batch_size, log_every, device, log, start_step=0, log_dir=None):
         self.total_steps, self.global_batch_size, self.log_every = total_steps, global_batch_size, log_every
         self.start_step = self.step = start_step  # a resumed run counts on from its checkpoint
         self.train_seconds, self.loss_curve, self.final_train_loss = 0.0, [], float("nan")
         self.grad_norms = []  # [step, the gradient norm before clipping] at each logging step, if clipped
         self.log, self.synchronize = log, torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        rank_zero = int(os.environ.get("RANK", "0")) == 0
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stdout, dynamic_ncols=True,
+                        disable=not (rank_zero and sys.stdout.isatty()))
+        BARS.append(self.bar)
+        self.rows = MetricsLog(log_dir, start_step) if log_dir and rank_zero else None
 
-    def start_epoch(self):  # the clock runs from here to each logging step: every epoch ends with one
+    def start_epoch(self, epoch):  # the clock runs from here to each logging step: every epoch ends with one
+        self.epoch = epoch
+        self.bar.set_description(f"epoch {epoch + 1}", refresh=False)
         self.synchronize()
         self.started = time.perf_counter()
 
     def update(self, end_of_epoch):  # count a step; True when the loss window is to be reduced and logged
         self.step += 1
+        self.bar.update()  # no wait for the device: the bar's clock reads the host's
         return self.step % self.log_every == 0 or self.step == self.total_steps or end_of_epoch
 
     def record_loss_or_raise_if_diverged(self, loss, label, lr, grad_norm=None):  # a UsageError on a NaN or inf loss
@@ -240,8 +295,20 @@ class Progress:
         self.loss_curve.append([self.step, loss, self.train_seconds])
         self.grad_norms += [[self.step, grad_norm]] if grad_norm is not None else []
         norm = f", grad norm {grad_norm:.4g}" if grad_norm is not None else ""
-        self.log(f"step {self.step}/{self.total_steps}: {label} {loss:.4f}, lr {lr:.3g}{norm}, "
-                 f"{self.rate():,.0f} samples/s")
+        if self.bar.disable:
+            self.log(f"step {self.step}/{self.total_steps}: {label} {loss:.4f}, lr {lr:.3g}{norm}, "
+                     f"{self.rate():,.0f} samples/s")
+        self.bar.set_postfix_str(f"{label} {loss:.4f}, {self.rate():,.0f} samples/s")
+        if self.rows:
+            self.rows.write(step=self.step, epoch=self.epoch + 1, train_loss=loss, lr=lr, grad_norm=grad_norm,
+                            samples_per_second=self.rate())
+
+    def record_test(self, test_loss, test_accuracy):  # the evaluation's row in --log-dir
+        if self.rows:
+            self.rows.write(step=self.step, epoch=self.epoch + 1, test_loss=test_loss, test_accuracy=test_accuracy)
+
+    def close(self):  # the bar's last state stays on the screen
+        self.bar.close()
 
     def rate(self):  # samples per second of training
         return (self.step - self.start_step) * self.global_batch_size / max(self.train_seconds, 1e-9)
@@ -249,3 +316,63 @@ class Progress:
     def summary(self):
         return {"steps": self.step, "train_seconds": self.train_seconds, "samples_per_second": self.rate(),
                 "final_train_loss": self.final_train_loss, "loss_curve": self.loss_curve, "grad_norms": self.grad_norms}
+
+
+class MetricsLog:
+    """--log-dir's metrics.csv: a row per logging step (training) and per evaluation (test), flushed as written. A
+    resumed run keeps the rows up to its checkpoint's step (not that step's evaluation, which it runs again) and goes
+    on: no step twice, none missing. TensorBoard's events beside it where tensorboard is installed."""
+
+    FIELDS = ["step", "epoch", "train_loss", "lr", "grad_norm", "samples_per_second", "test_loss", "test_accuracy"]
+
+    def __init__(self, directory, start_step):
+        self.path = os.path.join(directory, "metrics.csv")
+        rows = []
+        if os.path.exists(self.path):  # a resumed run's: the rows up to its checkpoint, whole rows only
+            with open(self.path, newline="") as file:
+                rows = [row for row in csv.DictReader(file) if None not in row.values() and (
+                    int(row["step"]) < start_step or (int(row["step"]) == start_step and row["train_loss"]))]
+        text = io.StringIO()
+        csv.DictWriter(text, self.FIELDS, lineterminator="\n").writeheader()
+        csv.DictWriter(text, self.FIELDS, lineterminator="\n").writerows(rows)
+        write_atomically(self.path, lambda file: file.write(text.getvalue().encode()))
+        self.file = open(self.path, "a", newline="")
+        self.writer = csv.DictWriter(self.file, self.FIELDS, lineterminator="\n")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.events = SummaryWriter(directory, purge_step=start_step + 1)  # drops events after the checkpoint
+        except ImportError:
+            self.events = None
+            log(f"--log-dir: writing {self.path}; no TensorBoard events (pip install tensorboard for them)")
+
+    def write(self, **row):
+        self.writer.writerow(row)
+        self.file.flush()
+        for name, value in row.items():
+            if self.events and name not in ("step", "epoch") and value is not None:
+                self.events.add_scalar(name, value, row["step"])
+
+
+class Profiler:
+    """--profile-steps A:B: torch.profiler from step A to step B, then each rank writes its trace (Chrome or Perfetto
+    JSON) to --log-dir/trace-rank<R>.json, and on a GPU its memory timeline beside it (-memory.html)."""
+
+    def __init__(self, args, rank, device, start_step, total_steps):
+        self.first, self.last = args.profile_steps or (0, -1)
+        if args.profile_steps and not (args.log_dir and start_step < self.first and self.last <= total_steps):
+            raise UsageError(f"--profile-steps {self.first}:{self.last} needs --log-dir, for the traces, and steps "
+                             f"from {start_step + 1} to this run's {total_steps}")
+        self.path, self.device = os.path.join(args.log_dir or "", f"trace-rank{rank}"), device
+        gpu = [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
+        self.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *gpu],
+                                              record_shapes=True, profile_memory=bool(gpu), with_stack=bool(gpu))
+        self.after_step(start_step)
+
+    def after_step(self, done):  # done: the optimizer steps finished
+        if done == self.first - 1:
+            self.profile.start()
+        if done == self.last:
+            self.profile.stop()
+            self.profile.export_chrome_trace(self.path + ".json")
+            if self.device.type == "cuda":
+                self.profile.export_memory_timeline(self.path + "-memory.html", str(self.device))

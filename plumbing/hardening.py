@@ -185,7 +185,7 @@ class Checkpointer:
             raise UsageError(f"--save and --metrics are both {args.save}: the metrics would replace the weights; "
                              "give two paths")
         for flag, path, folder in (("--checkpoint-dir", args.checkpoint_dir, True), ("--save", args.save, False),
-                                   ("--metrics", args.metrics, False)):
+                                   ("--metrics", args.metrics, False), ("--log-dir", args.log_dir, True)):
             if not path:
                 continue
             try:

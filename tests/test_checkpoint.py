@@ -1,5 +1,6 @@
 """Checkpoint, resume and fault tolerance, with real kills, for all three scripts."""
 
+import csv
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import (
     ROOT, Run, alive, assert_one_line_error, launch, launcher_env, load_weights, max_difference, mnist_args, python, succeeded,
@@ -40,7 +42,8 @@ def uninterrupted(mnist_dir, tmp_path_factory):
             directory = tmp_path_factory.mktemp(f"uninterrupted-{name}")
             _, script, flags = SCRIPTS[name]
             run = succeeded(torchrun(script, 2, *mnist_args(mnist_dir), *LONG, *flags, *RECOMPUTE.get(name, []),
-                                     "--checkpoint-dir", directory / "ck", "--save", directory / "final.pt"))
+                                     "--checkpoint-dir", directory / "ck", "--save", directory / "final.pt",
+                                     "--log-dir", directory / "log"))
             assert name != "fsdp" or "FSDP (full, activation checkpointing," in run.output, run.output
             done[name] = directory
         return done[name]
@@ -59,7 +62,7 @@ KILLED = {"fsdp": (["--workers", "2"], "step-10"), "pippy": ([], "step-20")}
 def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_interrupted(name, uninterrupted, mnist_dir, tmp_path):
     (launcher, _, flags), (more, step) = SCRIPTS[name], KILLED[name]
     args = ["bash", ROOT / launcher, *mnist_args(mnist_dir), *LONG, *flags, *more,
-            "--checkpoint-dir", tmp_path / "ck", "--save", tmp_path / "final.pt"]
+            "--checkpoint-dir", tmp_path / "ck", "--save", tmp_path / "final.pt", "--log-dir", tmp_path / "log"]
     run = Run(args, env=launcher_env(NPROC_PER_NODE=2, MAX_RESTARTS=1))
     wait_for(tmp_path / "ck" / step, run)
     os.kill(worker_pids(run.process.pid)[1], signal.SIGKILL)  # rank 1 dies mid-run
@@ -68,6 +71,22 @@ def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_interrupted(nam
     assert resumed, run.output  # torchrun restarted the workers, which resumed
     assert name != "fsdp" or "/ck/step-20 " not in resumed[0], resumed  # mid-epoch: step 10 (or 30)
     assert max_difference(load_weights(tmp_path / "final.pt"), load_weights(uninterrupted(name) / "final.pt")) == 0
+    # --log-dir's rows go on where the checkpoint was: each logging step and evaluation once, with the same numbers
+    rows, never_stopped = (metrics_rows(directory / "log" / "metrics.csv") for directory in (tmp_path, uninterrupted(name)))
+    assert rows == never_stopped and any(row["test_loss"] for row in rows), rows
+    steps = [int(row["step"]) for row in rows if row["train_loss"]]
+    assert steps == sorted(set(steps)) and steps[-1] == 40, steps
+    # and TensorBoard's events: the resumed run's purge those after its checkpoint, so each step is read once
+    events = EventAccumulator(str(tmp_path / "log"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train_loss")] == [
+        (int(row["step"]), pytest.approx(float(row["train_loss"]), rel=1e-6)) for row in rows if row["train_loss"]]
+
+
+def metrics_rows(path):
+    """metrics.csv's rows, less the samples per second (a clock's reading)."""
+    with open(path, newline="") as file:
+        return [{k: v for k, v in row.items() if k != "samples_per_second"} for row in csv.DictReader(file)]
 
 
 def test_a_stopped_job_resumes_with_the_same_command(uninterrupted, mnist_dir, tmp_path):

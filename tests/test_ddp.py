@@ -1,5 +1,6 @@
 """train_ddp.py and run_ddp.sh, launched for real under torchrun on gloo."""
 
+import csv
 import json
 import os
 import shutil
@@ -110,6 +111,7 @@ def test_short_run_learns_with_all_reduced_loss_and_metrics(mnist_dir, tmp_path)
     run = torchrun(
         "train_ddp.py", 2, "--dataset", "mnist", "--data-dir", mnist_dir, "--no-download", "--epochs", "10",
         "--batch-size", "32", "--lr", "1e-3", "--scale-lr", "--base-batch-size", "32", "--metrics", metrics_path,
+        "--log-dir", tmp_path / "log", "--profile-steps", "52:53",
     )
     succeeded(run)
     metrics = json.loads(metrics_path.read_text())
@@ -134,8 +136,26 @@ def test_short_run_learns_with_all_reduced_loss_and_metrics(mnist_dir, tmp_path)
     for record in metrics["ranks"]:
         assert record["state_bytes"] == pytest.approx(4 * 4 * metrics["param_count"], rel=0.01)
         assert record["peak_memory_bytes"] > 0
-    # Only rank 0 talks, once per epoch, and the loss says it is all-reduced.
+    # FLOPs counted on the real model (FlopCounterMode): BabyCNN's forward is 2,330,048 multiply-accumulates (the
+    # convolutions' weights x their 28x28, 14x14, 7x7 outputs, and the classifier), 2 FLOPs each; backward computes the
+    # weights' gradients (as many) and every input's but the image's (less the first convolution's 56,448 x 2).
+    forward = 2 * 2_330_048
+    assert metrics["flops_per_sample"] == 2 * forward + forward - 2 * 56_448 and metrics["mfu"] is None  # no GPU
+    assert metrics["flops_per_second"] == pytest.approx(metrics["flops_per_sample"] * metrics["samples_per_second"])
+    assert "; 13.9 MFLOPs a sample;" in run.output
+    # Only rank 0 talks, once per epoch, and the loss says it is all-reduced; in a pipe, in lines (no bar redrawn).
     assert run.output.count("epoch 1:") == 1 and run.output.count("epoch 10:") == 1
+    assert "\r" not in run.output and "step 100/100: loss (all ranks)" in run.output
+    # --log-dir: a CSV row per logging step, then per evaluation; --profile-steps 52:53: each rank's trace of two
+    # steps (no logging step, no epoch end), in which only DDP's bucket all-reduce runs: one a step (one bucket)
+    with open(tmp_path / "log" / "metrics.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert [(int(r["step"]), float(r["train_loss"])) for r in rows if r["train_loss"]] == [
+        (step, loss) for step, loss, _ in metrics["loss_curve"]]
+    assert sum(1 for r in rows if r["test_accuracy"]) == 10
+    for rank in (0, 1):
+        events = json.loads((tmp_path / "log" / f"trace-rank{rank}.json").read_text())["traceEvents"]
+        assert sum(e.get("name") == "gloo:all_reduce" for e in events) == 2, rank
     assert "loss (all ranks)" in run.output and "[rank1]" not in run.output
 
 
