@@ -359,9 +359,13 @@ class Profiler:
 
     def __init__(self, args, rank, device, start_step, total_steps):
         self.first, self.last = args.profile_steps or (0, -1)
-        if args.profile_steps and not (args.log_dir and start_step < self.first and self.last <= total_steps):
+        if args.profile_steps and not (args.log_dir and self.last <= total_steps):
             raise UsageError(f"--profile-steps {self.first}:{self.last} needs --log-dir, for the traces, and steps "
-                             f"from {start_step + 1} to this run's {total_steps}")
+                             f"from 1 to this run's {total_steps}")
+        if args.profile_steps and start_step >= self.first:  # resumed past A: an earlier attempt wrote the traces
+            if rank == 0:
+                log(f"--profile-steps: resumed at step {start_step}, past step {self.first}: no new trace")
+            self.first, self.last = 0, -1
         self.path, self.device = os.path.join(args.log_dir or "", f"trace-rank{rank}"), device
         gpu = [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
         self.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *gpu],

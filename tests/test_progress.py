@@ -107,7 +107,8 @@ def test_without_tensorboard_the_log_dir_says_so_once_and_writes_the_csv(tmp_pat
 
 @pytest.mark.parametrize("flags, error", [
     (["--profile-steps", "3:2"], "argument --profile-steps: give two steps A:B, 1 <= A <= B, not '3:2'"),
-    (["--profile-steps", "2:3"], "--profile-steps 2:3 needs --log-dir, for the traces, and steps from 1 to this run's"),
+    (["--profile-steps", "2:3"], "--profile-steps 2:3 needs --log-dir, for the traces, and steps from 1 to this run's "
+                                 "100"),
     (["--profile-steps", "2:300", "--log-dir", "logs"], "--profile-steps 2:300 needs --log-dir, for the traces, and "
                                                          "steps from 1 to this run's 100"),
 ])
