@@ -309,6 +309,8 @@ class Progress:
 
     def close(self):  # the bar's last state stays on the screen
         self.bar.close()
+        if self.rows:
+            self.rows.close()
 
     def rate(self):  # samples per second of training
         return (self.step - self.start_step) * self.global_batch_size / max(self.train_seconds, 1e-9)
@@ -345,12 +347,19 @@ class MetricsLog:
             self.events = None
             log(f"--log-dir: writing {self.path}; no TensorBoard events (pip install tensorboard for them)")
 
-    def write(self, **row):
+    def write(self, **row):  # flushed: a killed run loses no row before its checkpoint
         self.writer.writerow(row)
         self.file.flush()
-        for name, value in row.items():
-            if self.events and name not in ("step", "epoch") and value is not None:
-                self.events.add_scalar(name, value, row["step"])
+        if self.events:
+            for name, value in row.items():
+                if name not in ("step", "epoch") and value is not None:
+                    self.events.add_scalar(name, value, row["step"])
+            self.events.flush()
+
+    def close(self):
+        self.file.close()
+        if self.events:
+            self.events.close()
 
 
 class Profiler:

@@ -148,3 +148,19 @@ except RuntimeError:
     ], message
     assert lines[0].endswith(f"{worker} failed:")
     assert not [text for text in TORCHRUN_SUMMARY if text in message], message
+
+
+@pytest.mark.slow
+def test_watch_overhead_reports_both_runs_and_the_host_cost_and_the_plot_reads_the_csv(tmp_path):
+    run = Run([sys.executable, ROOT / "benchmarks" / "watch_overhead.py", "--pairs", "1", "--steps", "100"]).wait()
+    assert run.returncode == 0, run.output[-3000:]
+    result = json.loads(run.output.strip().splitlines()[-1])
+    rates, host = result["median_samples_per_second"], result["host_us_per_step"]
+    assert rates["bar_and_log_dir"] > 0 and rates["neither"] > 0 and result["ratio"] > 0
+    assert host["bar_and_log_dir"] > host["neither"] > 0  # the bar and the rows cost something, measured apart
+    log = tmp_path / "log"
+    log.mkdir()
+    (log / "metrics.csv").write_text("step,epoch,train_loss,lr,grad_norm,samples_per_second,test_loss,test_accuracy\n"
+                                     "10,1,2.0,0.001,,100.0,,\n20,1,1.0,0.002,,110.0,,\n20,1,,,,,0.9,0.7\n")
+    plot = Run([sys.executable, ROOT / "benchmarks" / "plot_log.py", log, tmp_path / "plot.png"]).wait()
+    assert plot.returncode == 0 and (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG", plot.output

@@ -16,8 +16,8 @@ SCRIPTS = ["train_ddp.py", "train_fsdp.py", "train_pippy.py"]
 # What a copy carries besides the script, its model and its data: 400 lines for issue 20; issue 22's one-line endings
 # (each failed rank's error file for the launcher, a full disk said as one) took 50 more, issue 29's gradient clipping,
 # warmup rule, batches through a DataLoader and evaluation of any Dataset 50 more (the copy no longer needs
-# models/data.py); issue 30's progress bar, --log-dir's CSV and TensorBoard rows, FLOPs and --profile-steps 130 more.
-MAX_LINES = 630
+# models/data.py); issue 30's progress bar, --log-dir's CSV and TensorBoard rows, FLOPs and --profile-steps 140 more.
+MAX_LINES = 640
 MAX_HIDDEN_COLLECTIVES = 6  # collective calls outside the scripts
 # The collectives of torch.distributed, and DCP's save and load, which are collectives too.
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
@@ -172,7 +172,7 @@ def project_imports(path, seen=None):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_a_copy_carries_at_most_630_lines_besides_model_and_data(script):
+def test_a_copy_carries_at_most_640_lines_besides_model_and_data(script):
     carried = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines())
                for p in project_imports(ROOT / script) if p.parent.name != "models"}
     assert set(carried) == {"plumbing/__init__.py", "plumbing/core.py", "plumbing/hardening.py"}, carried
