@@ -193,7 +193,8 @@ def main():
                     "strategy": "ddp", "world_size": world_size, "global_batch_size": global_batch_size,
                     **progress.summary(), "test_loss": test_loss, "test_accuracy": test_accuracy,
                     "param_count": param_count, "precision": args.precision, "dataset": dataset_name,
-                    "peak_lr": peak_lr, "ranks": ranks, **core.throughput(flops, progress.rate(), device, args.precision),
+                    "peak_lr": peak_lr, "ranks": ranks,
+                    **core.throughput(flops, progress.rate(), device, args.precision),
                 }, args.metrics)
     finally:
         ddp_model = no_sync = None  # DDP holds the group: let go first, and destroy_process_group ends gloo's threads

@@ -251,7 +251,8 @@ def main():
                     "mesh": list(mesh.shape), "world_size": world_size, "global_batch_size": global_batch_size,
                     **progress.summary(), "test_loss": test_loss, "test_accuracy": test_accuracy,
                     "param_count": param_count, "precision": args.precision, "dataset": dataset_name,
-                    "peak_lr": peak_lr, "ranks": ranks, **core.throughput(flops, progress.rate(), device, args.precision),
+                    "peak_lr": peak_lr, "ranks": ranks,
+                    **core.throughput(flops, progress.rate(), device, args.precision),
                 }, args.metrics)
     finally:
         # torch 2.14's DTensor caches keep the mesh for good, and the mesh its group: let go of it (private; 2.9 has

@@ -10,7 +10,7 @@ Through the wrapper: `bash run_pippy.sh [flags]`; for two nodes, on each node,
 
 What pipeline parallelism changes compared with train_ddp.py:
   setup  a device mesh: pipeline ranks x data-parallel replicas (--data-parallel D)
-  model  built whole from the seed, as in train_ddp.py; model.blocks is cut into stages of equal FLOPs,
+  model  built whole from the seed, as in train_ddp.py; model.blocks is cut into stages of about equal FLOPs,
          and each rank keeps only its stages' blocks (the others become nn.Identity)
   wrap   each local stage becomes a PipelineStage; a schedule (GPipe, 1F1B, interleaved, ...) runs
          the microbatches through all of them
@@ -271,7 +271,7 @@ def main():
             # ---- evaluate: each replica scores a slice of the test set; the sums are all-reduced ----
             if args.no_eval:
                 continue
-            for buffer in model.buffers():  # BatchNorm's running statistics, each replica's own: replica 0's, which it saves
+            for buffer in model.buffers():  # BatchNorm's statistics, each replica's own: replica 0's, which it saves
                 dist.broadcast(buffer, group=mesh.get_group("dp"), group_src=0)
             model.eval()
 
