@@ -18,7 +18,7 @@ import torch
 from conftest import ROOT, launcher_env, mnist_args
 from plumbing import core
 
-RUN = ["--epochs", "5", "--max-steps", "120", "--log-every", "10", "--checkpoint-every", "10", "--batch-size", "16"]
+RUN = ["--epochs", "5", "--max-steps", "120", "--log-every", "10", "--batch-size", "16"]  # the stop saves a checkpoint
 
 
 class Terminal:
