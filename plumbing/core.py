@@ -335,8 +335,9 @@ class MetricsLog:
                 rows = [row for row in csv.DictReader(file) if None not in row.values() and (
                     int(row["step"]) < start_step or (int(row["step"]) == start_step and row["train_loss"]))]
         text = io.StringIO()
-        csv.DictWriter(text, self.FIELDS, lineterminator="\n").writeheader()
-        csv.DictWriter(text, self.FIELDS, lineterminator="\n").writerows(rows)
+        writer = csv.DictWriter(text, self.FIELDS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
         write_atomically(self.path, lambda file: file.write(text.getvalue().encode()))
         self.file = open(self.path, "a", newline="")
         self.writer = csv.DictWriter(self.file, self.FIELDS, lineterminator="\n")
