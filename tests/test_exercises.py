@@ -4,8 +4,10 @@ The format, strict so that it can be read here. A page's exercises are the `### 
 `## Exercises` section. Each one has, in this order:
 
 - one ```bash block of commands, one per line (a trailing backslash continues a line): either
-  `NPROC_PER_NODE=N bash run_*.sh FLAGS` or `python train_*.py FLAGS`, each with `--metrics NAME.json`.
-  NAME.json names the run: the same name on any page must be the same command, and is run once here;
+  `NPROC_PER_NODE=N bash run_*.sh FLAGS` or `python SCRIPT FLAGS` (a train_*.py, or
+  benchmarks/read_trace.py reading an earlier command's --log-dir), each with `--metrics NAME.json`.
+  NAME.json names the run: the same name on any page must be the same command, and is run once here,
+  after the commands above it in its block;
 - the question, in prose;
 - `<details><summary>Answer</summary>`, the answer in prose, then one or more checks, each an HTML
   comment of its own (hidden on GitHub), then `</details>`:
@@ -80,12 +82,19 @@ def run_name(words):
 
 def all_commands():
     """{NAME.json: the command's words}, over every page; the same name is the same command everywhere."""
+    return {name: words for name, (words, _) in commands_and_before().items()}
+
+
+def commands_and_before():
+    """{NAME.json: (its words, the names above it in its blocks)}: a trace's reader runs after its run."""
     named = {}
     for page in PAGES:
         for title, commands, *_ in exercises(page):
-            for words in commands:
-                name = run_name(words)
-                assert named.setdefault(name, words) == words, f"{name} names two different commands"
+            names = [run_name(words) for words in commands]
+            for index, (name, words) in enumerate(zip(names, commands)):
+                known, before = named.setdefault(name, (words, set()))
+                assert known == words, f"{name} names two different commands"
+                before.update(names[:index])
     return named
 
 
@@ -128,13 +137,18 @@ class Runs:
     """Each named run, launched the first time a check needs it and kept for the others (this file's tests)."""
 
     def __init__(self, directory):
-        self.directory, self.commands, self.done = directory, all_commands(), {}
+        self.directory, self.commands, self.done = directory, commands_and_before(), {}
 
     def __getitem__(self, name):
         if name not in self.done:
-            words = list(self.commands[name])
+            words, before = self.commands[name]
+            for earlier in sorted(before):
+                self[earlier]
+            words = list(words)
             args = words[words.index("bash") + 2:] if words[0] != "python" else words[2:]
-            args[args.index("--metrics") + 1] = str(self.directory / name)
+            for flag in ("--metrics", "--log-dir"):
+                if flag in args:
+                    args[args.index(flag) + 1] = str(self.directory / args[args.index(flag) + 1])
             if words[0] == "python":
                 run = python(words[1], *args)
             else:
