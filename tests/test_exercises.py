@@ -7,7 +7,9 @@ The format, strict so that it can be read here. A page's exercises are the `### 
   `NPROC_PER_NODE=N bash run_*.sh FLAGS` or `python SCRIPT FLAGS` (a train_*.py, or
   benchmarks/read_trace.py reading an earlier command's --log-dir), each with `--metrics NAME.json`.
   NAME.json names the run: the same name on any page must be the same command, and is run once here,
-  after the commands above it in its block;
+  after the commands above it in its block. An exercise that breaks a script on purpose makes a copy
+  first, `sed 'EDIT' train_*.py > BROKEN.py` (the edit must change it), and launches the copy with
+  `NPROC_PER_NODE=N bash launch.sh BROKEN.py FLAGS`;
 - the question, in prose;
 - `<details><summary>Answer</summary>`, the answer in prose, then one or more checks, each an HTML
   comment of its own (hidden on GitHub), then `</details>`:
@@ -29,13 +31,16 @@ The commands also parse with the scripts' own parsers (tests/test_docs.py). The 
 """
 
 import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, python, run_sh
+from conftest import ROOT, Run, child_env, python, run_sh
 
 PAGES = [ROOT / "docs" / name for name in ("ddp.md", "fsdp.md", "pipeline.md")]
 CHECK = re.compile(r"<!-- check: (.*?) -->")
@@ -85,11 +90,27 @@ def all_commands():
     return {name: words for name, (words, _) in commands_and_before().items()}
 
 
+def is_edit(words):
+    """`sed 'EDIT' train_*.py > BROKEN.py`: the copy an exercise breaks."""
+    return words[0] == "sed" and len(words) == 5 and words[3] == ">" and re.fullmatch(r"train_\w+\.py", words[2])
+
+
+def edits():
+    """{BROKEN.py: the sed words that make it}, over every page; one name, one edit."""
+    made = {}
+    for page in PAGES:
+        for title, commands, *_ in exercises(page):
+            for words in filter(is_edit, commands):
+                assert made.setdefault(words[4], words) == words, f"{words[4]} is made by two different edits"
+    return made
+
+
 def commands_and_before():
     """{NAME.json: (its words, the names above it in its blocks)}: a trace's reader runs after its run."""
     named = {}
     for page in PAGES:
         for title, commands, *_ in exercises(page):
+            commands = [words for words in commands if not is_edit(words)]
             names = [run_name(words) for words in commands]
             for index, (name, words) in enumerate(zip(names, commands)):
                 known, before = named.setdefault(name, (words, set()))
@@ -118,9 +139,12 @@ def test_every_page_has_three_exercises_in_the_format():
         for title, commands, question, visible, checks in found:
             where = f"{page.name}, exercise {title!r}"
             assert commands and question and checks, where
+            made = [words[4] for words in commands if is_edit(words)]
             for words in commands:
-                assert (words[0].startswith("NPROC_PER_NODE=") and words[1:2] == ["bash"]) or words[0] == "python", \
-                    f"{where}: {' '.join(words)}"
+                assert (words[0].startswith("NPROC_PER_NODE=") and words[1:2] == ["bash"]) or words[0] == "python" \
+                    or is_edit(words), f"{where}: {' '.join(words)}"
+                if words[2:3] == ["launch.sh"]:
+                    assert words[3] in made, f"{where}: {words[3]} is not made by a sed line above it"
             for kind, fields in checks:
                 assert fields["run"] in runs and fields.get("other", fields["run"]) in runs, f"{where}: {fields}"
                 if kind == "prints":
@@ -138,6 +162,16 @@ class Runs:
 
     def __init__(self, directory):
         self.directory, self.commands, self.done = directory, commands_and_before(), {}
+        self.edits = edits()
+
+    def broken_copy(self, name):
+        """directory/BROKEN.py, made by its page's sed line from the script here; it imports this repository's
+        plumbing and models (child_env's PYTHONPATH)."""
+        sed = self.edits[name]
+        made = subprocess.run(sed[:3], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        assert made != (ROOT / sed[2]).read_text(), f"{' '.join(sed)} changes nothing: the script changed"
+        (self.directory / name).write_text(made)
+        return self.directory / name
 
     def __getitem__(self, name):
         if name not in self.done:
@@ -151,6 +185,10 @@ class Runs:
                     args[args.index(flag) + 1] = str(self.directory / args[args.index(flag) + 1])
             if words[0] == "python":
                 run = python(words[1], *args)
+            elif words[2] == "launch.sh":
+                env = child_env(NPROC_PER_NODE=words[0].split("=", 1)[1])
+                env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # torchrun: this Python's
+                run = Run(["bash", ROOT / "launch.sh", self.broken_copy(words[3]), *args[1:]], env=env)
             else:
                 script = Path(words[words.index("bash") + 1]).name.replace("run_", "train_").replace(".sh", ".py")
                 run = run_sh(script, int(words[0].split("=", 1)[1]), *args)
