@@ -1,8 +1,9 @@
 """What a collective costs as the message grows: time against bytes, and the α–β model fitted to it.
 
-    python benchmarks/collectives.py                    # gloo on the CPU, 2 and 4 processes: about 5 minutes on 2 cores
+    python benchmarks/collectives.py                    # gloo on the CPU, 2 and 4 processes: about 2 minutes on 2 cores
     python benchmarks/collectives.py --quick            # 2 processes, fewer sizes and repeats: seconds
     python benchmarks/collectives.py --device cuda      # NCCL, one process per GPU (needs 2 or more GPUs)
+    python benchmarks/collectives.py --refit            # no timing: refit the saved JSON's points, redraw the plot
 
 Starts W processes (torch.multiprocessing, spawn; one thread each) for each world size W, and times
 broadcast (from rank 0), all_reduce (sum), reduce_scatter and all_gather (the single-tensor forms),
@@ -12,9 +13,11 @@ all_reduce and reduce_scatter, the output of all_gather (so each rank's shard is
 the median over --repeats samples of the slowest rank's time per call, each sample a run of calls
 long enough to time (at least --sample-ms); with --rounds, the median of that over rounds.
 
-Each collective's points are fitted with t = α + n·β (least squares on the relative error, so the
-microsecond points weigh as much as the second ones): α is the latency a call pays whatever its size,
-β the seconds per byte (1/β the bandwidth). For all_reduce the fit is set beside the ring model
+Each collective's points are fitted with t = α + n·β in two parts a reader can redo by hand: α, the
+latency a call pays whatever its size, is the median time of the messages up to 64 KiB (the flat part;
+a median, so that one odd point does not move it); β, the seconds per byte (1/β the bandwidth), is the
+median of (t − α) / n over the messages of 4 MiB and more (the straight part). For all_reduce the fit
+is set beside the ring model
 t = 2(W−1)·α' + 2(W−1)/W · n·β', with α' and β' those of one send/recv. Prints the points and the
 fits, writes collectives.json to --out and the plot (log-log: points, fitted lines) to --plot.
 """
@@ -51,6 +54,8 @@ def parse():
     parser.add_argument("--rounds", type=int, help="whole sweeps, medians over them; default 3 (--quick: 1)")
     parser.add_argument("--sample-ms", type=float, help="a sample's calls take at least this; default 20 (--quick: 2)")
     parser.add_argument("--quick", action="store_true", help="the smoke test's size: a few seconds")
+    parser.add_argument("--refit", action="store_true",
+                        help="measure nothing: refit the points already in --out's JSON, rewrite it and the plot")
     parser.add_argument("--out", help="where collectives.json goes; default benchmarks/results (--quick: a temporary folder)")
     parser.add_argument("--plot", help="default docs/images/collectives.png (--quick: beside the JSON)")
     args = parser.parse_args()
@@ -171,15 +176,16 @@ def sweep(world_size, args):
 
 # ---- the model ----
 
+SMALL, LARGE = 64 << 10, 4 << 20  # the flat part ends, the straight part begins (bytes)
+
+
 def fit(points):
-    """α and β of t = α + n·β minimizing Σ ((α + n·β − t) / t)²: the 2 × 2 normal equations."""
-    u = [1 / t for _, t in points]
-    v = [n / t for n, t in points]
-    uu, uv, vv = sum(a * a for a in u), sum(a * b for a, b in zip(u, v)), sum(b * b for b in v)
-    det = uu * vv - uv * uv
-    alpha = (sum(u) * vv - sum(v) * uv) / det
-    beta = (uu * sum(v) - uv * sum(u)) / det
-    return alpha, beta
+    """α and β of t = α + n·β: α the median time up to SMALL bytes, β the median of (t − α) / n from LARGE bytes
+    on. Medians, so that one odd point moves neither. With no point in a range, its nearest point stands in."""
+    small = [t for n, t in points if n <= SMALL] or [points[0][1]]
+    large = [(n, t) for n, t in points if n >= LARGE] or [points[-1]]
+    alpha = statistics.median(small)
+    return alpha, statistics.median((t - alpha) / n for n, t in large)
 
 
 def ring(world_size, alpha, beta):
@@ -188,14 +194,22 @@ def ring(world_size, alpha, beta):
 
 
 def analyse(world_size, rounds):
-    """Per collective: the median points over the rounds and the fit; for all_reduce, the ring model beside it."""
-    result = {"world_size": world_size, "collectives": {}}
+    """Per collective: the median points over the rounds, then fitted."""
+    medians = {}
     for name in COLLECTIVES:
         by_size = {}
         for points in rounds:
             for n, t in points[name]:
                 by_size.setdefault(n, []).append(t)
-        points = [[n, statistics.median(ts)] for n, ts in sorted(by_size.items())]
+        medians[name] = [[n, statistics.median(ts)] for n, ts in sorted(by_size.items())]
+    return fitted_entry(world_size, medians)
+
+
+def fitted_entry(world_size, medians):
+    """Per collective: its points and their fit; for all_reduce, the ring model beside it."""
+    result = {"world_size": world_size, "collectives": {}}
+    for name in COLLECTIVES:
+        points = medians[name]
         alpha, beta = fit(points)
         result["collectives"][name] = {"points": points, "alpha_s": alpha, "beta_s_per_byte": beta}
     link = result["collectives"]["send_recv"]
@@ -282,7 +296,9 @@ def plot(report, path):
     m = report["machine"]
     note = " NCCL on GPUs: not measured (no GPU here)." if report["backend"] == "gloo" else ""
     fig.suptitle(f"{report['backend']} on {report['device']}: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "
-                 f"median of {report['repeats']} samples × {report['rounds']} rounds.{note}", fontsize=10)
+                 f"median of {report['repeats']} samples × {report['rounds']} rounds.{note}\n"
+                 f"Fitted lines: α = the median time up to {bytes_label(SMALL)}, "
+                 f"β = the median of (t − α) / n from {bytes_label(LARGE)} on.", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
@@ -301,6 +317,16 @@ def machine():
 def main():
     args = parse()
     os.environ["OMP_NUM_THREADS"] = "1"  # the spawned processes inherit it
+    if args.refit:  # the saved points, fitted again; the timings are not touched
+        report = json.loads(Path(args.json).read_text())
+        report["results"] = [fitted_entry(entry["world_size"], {name: found["points"] for name, found in
+                                                                 entry["collectives"].items()})
+                             for entry in report["results"]]
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        plot(report, args.plot)
+        print(table(report))
+        print(f"refitted {args.json}, drew {args.plot}")
+        return
     if args.device == "cuda":
         if not torch.cuda.is_available():
             sys.exit("collectives: --device cuda needs GPUs, and torch sees none")
