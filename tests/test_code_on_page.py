@@ -42,13 +42,13 @@ def test_the_generated_code_on_the_pages_is_current():
                           text=True)
     assert done.returncode == 0, done.stderr + "\nrun: python docs/code_on_page.py"
     pages = {page.name: page.read_text() for page in code_on_page.PAGES}
-    for page, directive in [("fsdp.md", "diff -u train_ddp.py train_fsdp.py"),
+    for page, directive in [("fsdp.md", 'lines train_fsdp.py "# Keep unsharded gradients local"'),
                             ("pipeline.md", 'lines train_pippy.py "# ---- wrap"'),
-                            ("ddp.md", "file docs/snippets/dataloader.py")]:
+                            ("batch.md", 'lines docs/snippets/dataloader.py "sampler = DistributedSampler("')]:
         assert f"<!-- generated: {directive}" in pages[page], f"{page} lost its block {directive!r}"
-    # The check sees drift: one line of the quoted diff changed is put back by the generator.
+    # The check sees drift: one line of the quoted code changed is put back by the generator.
     text = pages["fsdp.md"]
-    drifted = text.replace("+    parser.add_argument(", "+    parser.add_argument_(", 1)
+    drifted = text.replace("set_requires_gradient_sync(last_micro_step)", "set_requires_gradient_sync(True)", 1)
     assert drifted != text and code_on_page.generated(drifted) == text
 
 
@@ -64,7 +64,7 @@ def test_the_dataloader_snippet_deals_disjoint_shards_that_cover_each_epoch():
         assert len(ranks[0]) == len(ranks[1]) == 500 and not set(ranks[0]) & set(ranks[1])
         assert len(set(ranks[0]) | set(ranks[1])) == 1000 and set(ranks[0]) | set(ranks[1]) <= set(range(1001))
     assert epochs[0]["indices"][0] != epochs[1]["indices"][0]  # set_epoch: another shuffle
-    # The sample drop_last leaves out of each epoch, as docs/ddp.md says
+    # The sample drop_last leaves out of each epoch, as docs/batch.md says
     assert [set(range(1001)) - set(sum(entry["indices"], [])) for entry in epochs] == [{950}, {971}]
 
 

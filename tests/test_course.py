@@ -235,6 +235,44 @@ def test_the_concepts_page_is_short():
     assert lines <= 190, f"docs/concepts.md has {lines} lines: it is the first page, keep it to about 180"
 
 
+NOT_LESSONS = {"glossary.md", "reference.md", "measurements.md"}  # looked up, not read through
+
+
+def prose_sentences(text):
+    """The sentences of a page's prose, counted as ../shared/tools/prose_stats.py counts them: code blocks,
+    tables, headings, HTML and images left out; inline code one word; a sentence ends at . ! or ? and a
+    space; fragments under 3 words are not sentences."""
+    kept, fence = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fence = not fence
+            continue
+        line = line.strip()
+        if fence or not line or line.startswith(("|", "#", "<", "![", "[README]")):
+            continue
+        kept.append(re.sub(r"`[^`]*`", "X", re.sub(r"\]\([^)]*\)", "]", line)))
+    return [s for s in re.split(r"(?<=[.!?])\s+", " ".join(kept)) if len(s.split()) >= 3]
+
+
+def test_the_lessons_are_an_evening_of_reading():
+    """At most 18,000 words in all (code and tables included), no page over 3,500, and sentences of at most
+    22 words on average: the course is read beside the code, not instead of it."""
+    lessons = [p for p in sorted((ROOT / "docs").glob("*.md")) if p.name not in NOT_LESSONS]
+    words = {p.name: len(p.read_text().split()) for p in lessons}
+    assert sum(words.values()) <= 18_000, f"the lessons have {sum(words.values()):,} words: {words}"
+    assert max(words.values()) <= 3_500, f"a lesson over 3,500 words: {words}"
+    for page in [ROOT / "README.md", *lessons]:
+        sentences = prose_sentences(page.read_text())
+        mean = sum(len(s.split()) for s in sentences) / len(sentences)
+        assert mean <= 22, f"{page.name}: sentences of {mean:.1f} words on average"
+
+
+def test_the_sentence_count_follows_the_rule():
+    """The rule above, on a page made for it: a table, code and a heading are not sentences."""
+    page = "# Title here now\n\n| a b c | d |\n```\nx = 1. y = 2. z\n```\nOne two three. Four `f(a. b)` six seven.\n"
+    assert [len(s.split()) for s in prose_sentences(page)] == [3, 4]
+
+
 # ---- the flight recorder ----
 
 def test_the_flight_recorder_shows_which_rank_stopped_where():

@@ -264,7 +264,6 @@ DIFF_COUNT = re.compile(r"`(diff train_\w+\.py train_\w+\.py \| grep -c '\^\[<>\
 def test_the_diff_sizes_the_docs_quote_are_the_scripts_own():
     """"`diff train_ddp.py train_fsdp.py | grep -c '^[<>]'` counts N changed lines": N is what it counts now."""
     quoted = [(page.name, *found) for page in PAGES for found in DIFF_COUNT.findall(" ".join(prose_lines(page)))]
-    # The pipeline page; the FSDP page shows the diff itself (docs/code_on_page.py, tests/test_code_on_page.py)
     assert len(quoted) >= 1, quoted
     for page, command, count in quoted:
         counted = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True).stdout.strip()

@@ -85,6 +85,15 @@ def test_ddp_buckets_and_overlap(committed):
             assert order[-1] == "optimizer step" and order[-2].startswith("all-reduce"), label
     assert runs["default"]["overlaps_backward"] == [False, False]
     assert runs["0.05"]["overlaps_backward"] == [True, True]
+    # The cap rule docs/ddp.md states: a bucket closes with the gradient that takes it to the cap or past it.
+    sizes = {name: 4 * p.numel() for name, p in BabyCNN(device="meta").named_parameters()}
+    cap = 0.05 * 2**20
+    *closed, last = [bucket["parameters"] for bucket in runs["0.05"]["buckets"]]
+    for held in closed:
+        assert sum(sizes[name] for name in held[:-1]) < cap <= sum(sizes[name] for name in held), held
+    assert sum(sizes[name] for name in last[:-1]) < cap  # the last one closes at backward's end, below the cap
+    # As a bucket of at most the cap (the rule the page once stated) it would fail: the buckets cross it.
+    assert any(sum(sizes[name] for name in held) > cap for held in closed)
     for order in runs["0.05"]["order"]:  # bucket 0 starts as soon as blocks.3's backward ends, before blocks.2's
         assert order.index("all-reduce bucket 0") == order.index("backward blocks.3") + 1
         assert order.index("all-reduce bucket 2") > order.index("backward blocks.0")
