@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# torchrun launcher shared by run_ddp.sh, run_fsdp.sh and run_pippy.sh: `bash launch.sh SCRIPT [flags]`.
+# torchrun launcher shared by run_ddp.sh, run_fsdp.sh, run_pippy.sh and run_tp.sh: `bash launch.sh SCRIPT [flags]`.
 #
 # One node (the default):  NPROC_PER_NODE=4 bash run_ddp.sh --epochs 3
 # Several nodes: on each node, with the same MASTER_ADDR (node 0's address) and MASTER_PORT:
@@ -37,8 +37,8 @@ script=${1:-}
 [[ $script = /* ]] || script="$here/$script"  # beside this file, or anywhere by its full path
 shift || true
 if [ ! -f "$script" ]; then
-    echo "error: no training script $script: use run_ddp.sh, run_fsdp.sh or run_pippy.sh" \
-        "(or bash launch.sh train_ddp.py|train_fsdp.py|train_pippy.py)" >&2
+    echo "error: no training script $script: use run_ddp.sh, run_fsdp.sh, run_pippy.sh or run_tp.sh" \
+        "(or bash launch.sh train_ddp.py|train_fsdp.py|train_pippy.py|train_tp.py)" >&2
     exit 2
 fi
 for flag in "$@"; do  # one process prints the help, not one per worker

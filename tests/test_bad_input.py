@@ -167,8 +167,8 @@ def test_help_prints_once_and_a_missing_script_is_one_line():
     assert run.returncode == 0 and run.output.count("usage: train_fsdp.py") == 1, run.output
     run = Run(["bash", ROOT / "launch.sh", "train_nope.py"], env=launcher_env()).wait()
     assert run.returncode == 2 and run.output.splitlines() == [
-        f"error: no training script {ROOT}/train_nope.py: use run_ddp.sh, run_fsdp.sh or run_pippy.sh "
-        "(or bash launch.sh train_ddp.py|train_fsdp.py|train_pippy.py)"], run.output
+        f"error: no training script {ROOT}/train_nope.py: use run_ddp.sh, run_fsdp.sh, run_pippy.sh or run_tp.sh "
+        "(or bash launch.sh train_ddp.py|train_fsdp.py|train_pippy.py|train_tp.py)"], run.output
 
 
 

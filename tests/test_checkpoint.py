@@ -24,6 +24,7 @@ SCRIPTS = {  # name: (launcher, script, flags)
     "ddp": ("run_ddp.sh", "train_ddp.py", ["--batch-size", "16"]),
     "fsdp": ("run_fsdp.sh", "train_fsdp.py", ["--batch-size", "16"]),
     "pippy": ("run_pippy.sh", "train_pippy.py", ["--batch-size", "32"]),
+    "tp": ("run_tp.sh", "train_tp.py", ["--batch-size", "32"]),  # one group of 2 tp ranks
 }
 
 
@@ -55,10 +56,10 @@ def uninterrupted(mnist_dir, tmp_path_factory):
 # reads its batches through a DataLoader with 2 workers per rank (--workers 2), as a Dataset of your own is read, and
 # is killed halfway through its first epoch: after the restart it must read on with the very samples, in the order,
 # that the uninterrupted run (on-device batches) read. (name: flags, the checkpoint to wait for before the kill.)
-KILLED = {"fsdp": (["--workers", "2"], "step-10"), "pippy": ([], "step-20")}
+KILLED = {"fsdp": (["--workers", "2"], "step-10"), "pippy": ([], "step-20"), "tp": ([], "step-20")}
 
 
-@pytest.mark.parametrize("name", ["fsdp", "pippy"])
+@pytest.mark.parametrize("name", ["fsdp", "pippy", "tp"])
 def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_interrupted(name, uninterrupted, mnist_dir, tmp_path):
     (launcher, _, flags), (more, step) = SCRIPTS[name], KILLED[name]
     args = ["bash", ROOT / launcher, *mnist_args(mnist_dir), *LONG, *flags, *more,
@@ -141,8 +142,10 @@ def test_ddp_checkpoint_resumes_on_one_process_past_an_interrupted_save(uninterr
     "saved, script, ranks, flags",
     [("fsdp", "train_fsdp.py", 4, ["--batch-size", "8"]), ("ddp", "train_fsdp.py", 2, ["--batch-size", "16"]),
      ("fsdp", "train_ddp.py", 1, ["--batch-size", "32"]), ("pippy", "train_ddp.py", 1, ["--batch-size", "32"]),
-     ("pippy", "train_pippy.py", 2, ["--batch-size", "32", "--schedule", "looped-bfs"])],
-    ids=["fsdp-2-to-fsdp-4", "ddp-to-fsdp", "fsdp-to-ddp", "pipeline-to-ddp", "pipeline-2-stages-to-4"],
+     ("pippy", "train_pippy.py", 2, ["--batch-size", "32", "--schedule", "looped-bfs"]),
+     ("tp", "train_ddp.py", 1, ["--batch-size", "32"]), ("ddp", "train_tp.py", 2, ["--batch-size", "32"])],
+    ids=["fsdp-2-to-fsdp-4", "ddp-to-fsdp", "fsdp-to-ddp", "pipeline-to-ddp", "pipeline-2-stages-to-4", "tp-to-ddp",
+         "ddp-to-tp"],
 )
 def test_checkpoints_reshard_across_strategies(saved, script, ranks, flags, uninterrupted, mnist_dir, tmp_path):
     # DCP stores each tensor under its parameter name: whoever wrote a part, any layout loads it.

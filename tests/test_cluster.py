@@ -93,7 +93,7 @@ def test_slurm_two_nodes_stop_before_the_time_limit_requeue_and_end_like_one_nod
 
 
 @pytest.mark.parametrize("strategy, error", [
-    ("ddpp", "error: the first argument is the strategy, ddp, fsdp or pippy, got 'ddpp' "
+    ("ddpp", "error: the first argument is the strategy, ddp, fsdp, pippy or tp, got 'ddpp' "
              "(e.g. sbatch slurm/train.sbatch ddp --epochs 3)"),
     ("fsdp", "error: SLURM_JOB_ID is not set: submit this with sbatch (sbatch slurm/train.sbatch fsdp ...), "
              "or on one machine use bash run_fsdp.sh"),
@@ -143,9 +143,8 @@ def test_the_pytorchjob_is_what_the_training_operator_needs():
     assert pod["terminationGracePeriodSeconds"] > 30  # torchrun waits 30 s for the workers' checkpoint
     (container,) = pod["containers"]
     assert container["name"] == "pytorch"  # the operator finds its container by this name
-    assert container["command"][:2] == ["bash", "launch.sh"] and container["command"][2] in ("train_ddp.py",
-                                                                                             "train_fsdp.py",
-                                                                                             "train_pippy.py")
+    assert container["command"][:2] == ["bash", "launch.sh"]
+    assert container["command"][2] in ("train_ddp.py", "train_fsdp.py", "train_pippy.py", "train_tp.py")
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
     mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
     volumes = {volume["name"]: volume for volume in pod["volumes"]}
@@ -220,8 +219,8 @@ def test_the_container_command_runs_as_two_elastic_pods_stops_on_sigterm_and_res
 # ---- Ctrl-C --------------------------------------------------------------------------------------------------
 
 
-# DDP stops in the tests above; the other two scripts' stops (every pipeline stage must agree) here.
-@pytest.mark.parametrize("launcher", ["run_fsdp.sh", "run_pippy.sh"])
+# DDP stops in the tests above; the other scripts' stops (every pipeline stage, every tp group must agree) here.
+@pytest.mark.parametrize("launcher", ["run_fsdp.sh", "run_pippy.sh", "run_tp.sh"])
 def test_ctrl_c_stops_every_process_at_a_checkpoint(launcher, mnist_dir, tmp_path):
     run = Run(["bash", ROOT / launcher, *mnist_args(mnist_dir), *RUN, "--checkpoint-dir", tmp_path / "ck"],
               env=launcher_env(NPROC_PER_NODE=2))

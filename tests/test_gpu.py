@@ -32,7 +32,7 @@ def gpu_env(**extra):
     return env
 
 
-@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp.py", "train_pippy.py"])
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp.py", "train_pippy.py", "train_tp.py"])
 def test_each_script_learns_on_gpus_with_nccl(script, mnist_dir, tmp_path):
     metrics_path = tmp_path / "metrics.json"
     run = succeeded(torchrun(script, RANKS, *mnist_args(mnist_dir), "--device", "cuda", "--epochs", "4",

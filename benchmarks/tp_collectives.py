@@ -1,0 +1,92 @@
+"""Count the collectives of one train_tp.py step with CommDebugMode, against the prediction docs/parallelism.md makes,
+and each rank's bytes of parameters and optimizer state against the whole model's / (dp x tp).
+
+    torchrun --standalone --nproc-per-node=2 benchmarks/tp_collectives.py            # tp 2, dp 1
+    torchrun --standalone --nproc-per-node=4 benchmarks/tp_collectives.py --tp 2     # tp 2, dp 2
+
+The prediction, for BabyCNN's 4 blocks (3 conv blocks of two convolutions, a head of a convolution and the
+classifier), each split as a column-wise/row-wise pair: in forward, one all-reduce per pair (4); in backward, one
+per pair whose input needs a gradient (3: not the first, whose input is the images). FSDP over dp > 1: an all-gather
+per block in forward (4) and again in backward for all but the last (3), which keeps its weights; a reduce-scatter
+per block (4). Rank 0 prints one JSON line.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor.debug import CommDebugMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from models import BabyCNN  # noqa: E402
+from plumbing import core  # noqa: E402
+from train_tp import parallelize  # noqa: E402
+
+NAMES = {"allreduce_": "all_reduce", "all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+         "_allgather_base_": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+         "_reduce_scatter_base_": "reduce_scatter"}
+
+
+def counted(comm):
+    """{collective: calls} of a CommDebugMode, c10d's and the functional collectives' names merged."""
+    counts = {}
+    for op, calls in comm.get_comm_counts().items():
+        name = NAMES.get(str(op).split(".")[-1], str(op))
+        counts[name] = counts.get(name, 0) + calls
+    return counts
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--width", type=int, default=1)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    world_size = dist.get_world_size()
+    dp = world_size // args.tp
+    mesh = init_device_mesh("cpu", (dp, args.tp), mesh_dim_names=("dp", "tp"))
+    try:
+        torch.manual_seed(0)
+        model = BabyCNN(width=args.width)
+        whole = sum(p.numel() for p in model.parameters())
+        parallelize(model, mesh, MixedPrecisionPolicy())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        images, labels = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+
+        def step():
+            optimizer.zero_grad()
+            with CommDebugMode() as forward:
+                loss = F.cross_entropy(model(images), labels)
+            with CommDebugMode() as backward:
+                loss.backward()
+            optimizer.step()
+            return counted(forward), counted(backward)
+
+        step()  # the first step also sets FSDP up
+        forward, backward = step()
+        state = core.memory(model, optimizer, torch.device("cpu"))["state_bytes"]
+        predicted_forward = {"all_reduce": 4, **({"all_gather": 4} if dp > 1 else {})}
+        predicted_backward = {"all_reduce": 3, **({"all_gather": 3, "reduce_scatter": 4} if dp > 1 else {})}
+        # AdamW in fp32: 4 bytes of weight, 4 of gradient, 8 of moments a parameter, plus its step counters
+        states = [None] * world_size
+        dist.all_gather_object(states, state)
+        if dist.get_rank() == 0:
+            print(json.dumps({
+                "dp": dp, "tp": args.tp, "forward": forward, "predicted_forward": predicted_forward,
+                "backward": backward, "predicted_backward": predicted_backward,
+                "state_bytes": states, "whole_model_state_bytes": 16 * whole,
+                "whole_over_dp_tp": 16 * whole / (dp * args.tp),
+            }))
+    finally:
+        getattr(mesh, "_pg_registry", {}).clear()  # as train_tp.py: let go of the mesh's groups before shutdown
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
