@@ -171,8 +171,10 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # Configurations to run (identical ones run once: at width 1 the memory runs are the scaling runs).
-    total = 6 * repeats + 2 + (1 + len(ranks_for_memory) if width > 1 else sum(n > 2 for n in ranks_for_memory)) + 3 * len(microbatches)
-    total = (total if cpu else 0) + (10 if gpus else 0)
+    tp_memory_runs = sum(n > 1 and 8 * width % n == 0 for n in ranks_for_memory)  # never the scaling run: --tp N
+    total = 7 * repeats + 2 + (1 + len(ranks_for_memory) if width > 1 else sum(n > 2 for n in ranks_for_memory)) \
+        + tp_memory_runs + 3 * len(microbatches)
+    total = (total if cpu else 0) + (11 if gpus else 0)
     # The runs' metrics files go with the directory at the end, also when a configuration fails (sys.exit).
     with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
         bench = Bench(args, Path(scratch), total)
@@ -217,6 +219,7 @@ def cpu_figures(bench, args, steps, repeats, width, microbatches, ranks_for_memo
         two_bare = bench.helper("bare_loop.py", "--steps", steps, "--batch-size", args.batch_size, copies=2)
         runs = {(strategy, ranks): bench.train(script, ranks, *batch, repeat=repeat)
                 for strategy, script in (("ddp", "train_ddp.py"), ("fsdp", "train_fsdp.py")) for ranks in (1, 2)}
+        runs["tp", 2] = bench.train("train_tp.py", 2, *batch, repeat=repeat)  # one batch, each layer split in two
         rounds.append({"bare_loop": bare["samples_per_second"], "two_bare_loops": sum(b["samples_per_second"] for b in two_bare),
                        **{f"{strategy}_{ranks}": run["samples_per_second"] for (strategy, ranks), run in runs.items()}})
         if repeat == 0:
@@ -236,9 +239,10 @@ def cpu_figures(bench, args, steps, repeats, width, microbatches, ranks_for_memo
     loaders = bench.helper("data_path.py", "--batches", max(steps, 50), "--batch-size", args.batch_size)
     results["data_path"] = {**loaders, "ratio": loaders["device_loader_samples_per_second"] / loaders["dataloader_samples_per_second"]}
 
-    # 3. Scaling: 2 processes against 1 (same per-rank batch), DDP and FSDP; and the machine's own
+    # 3. Scaling: 2 processes against 1 (same per-rank batch), DDP and FSDP; TP on 2 against DDP on 1 (the same batch,
+    # its layers split in two); and the machine's own
     # ceiling: two bare loops at once, which share the cores, caches and memory bandwidth but not a byte.
-    results["scaling"] = {"ddp": summary("ddp_2", "ddp_1"), "fsdp": summary("fsdp_2", "fsdp_1"),
+    results["scaling"] = {"ddp": summary("ddp_2", "ddp_1"), "fsdp": summary("fsdp_2", "fsdp_1"), "tp": summary("tp_2", "ddp_1"),
                           "ceiling": summary("two_bare_loops", "bare_loop"), "target_ddp": 1.8}
     # Where a 2-process DDP step's time goes: compute, waiting for the slower rank, the all-reduce.
     results["scaling"]["ddp_step"] = bench.helper("ddp_sync.py", "--steps", steps, "--batch-size", args.batch_size, ranks=2)
@@ -250,6 +254,10 @@ def cpu_figures(bench, args, steps, repeats, width, microbatches, ranks_for_memo
     for ranks in ranks_for_memory:
         per_rank = [r["state_bytes"] for r in bench.train("train_fsdp.py", ranks, *memory_steps)["ranks"]]
         results["memory"]["fsdp"][str(ranks)] = {"max_state_bytes": max(per_rank), "ratio_to_ddp_over_n": max(per_rank) / (ddp_state / ranks)}
+    results["memory"]["tp"] = {}
+    for ranks in [r for r in ranks_for_memory if r > 1 and 8 * width % r == 0]:  # TP over all of them: dp 1
+        per_rank = [r["state_bytes"] for r in bench.train("train_tp.py", ranks, "--tp", ranks, *memory_steps)["ranks"]]
+        results["memory"]["tp"][str(ranks)] = {"max_state_bytes": max(per_rank), "ratio_to_ddp_over_n": max(per_rank) / (ddp_state / ranks)}
 
     # 5. Pipeline: measured step time against (m + p - 1) x the slowest stage's time per microbatch.
     p = 2
@@ -282,7 +290,7 @@ def gpu_figures(bench, steps, ranks):
         for label, flags in (("fp32", []), ("bf16", ["--precision", "bf16"]), ("fp32, --compile", ["--compile"])):
             metrics = bench.train("train_ddp.py", 1, *on_gpu, "--batch-size", batch, *flags)
             rows.append(_gpu_row(f"train_ddp.py ({label})", 1, batch, metrics))
-    for script in ("train_fsdp.py", "train_pippy.py"):
+    for script in ("train_fsdp.py", "train_pippy.py", "train_tp.py"):
         rows.append(_gpu_row(f"{script} (fp32)", ranks, 64, bench.train(script, ranks, *on_gpu, "--batch-size", 64)))
     eager = {row["batch_size"]: row["steady_samples_per_second"] for row in rows if row["run"] == "train_ddp.py (fp32)"}
     for row in rows:
@@ -359,6 +367,7 @@ def cpu_table(r):
         f"| 2. data path: on-device gather | {d['device_loader_samples_per_second']:,.0f} samples/s | DataLoader + ToTensor/Normalize {d['dataloader_samples_per_second']:,.0f} samples/s | {d['ratio']:,.0f}× | |",
         f"| 3. scaling: DDP, 2 processes | {s['ddp']['ddp_2']:,.0f} samples/s | 1 process {s['ddp']['ddp_1']:,.0f} samples/s | {s['ddp']['ratio']:.2f}×{spread(s['ddp'], '.2f')} | ≥ {s['target_ddp']}× |",
         f"| 3. scaling: FSDP, 2 processes | {s['fsdp']['fsdp_2']:,.0f} samples/s | 1 process {s['fsdp']['fsdp_1']:,.0f} samples/s | {s['fsdp']['ratio']:.2f}×{spread(s['fsdp'], '.2f')} | |",
+        f"| 3. scaling: TP, 2 processes (tp 2: one batch, each layer split) | {s['tp']['tp_2']:,.0f} samples/s | DDP, 1 process {s['tp']['ddp_1']:,.0f} samples/s | {s['tp']['ratio']:.2f}×{spread(s['tp'], '.2f')} | |",
         f"| 3. DDP step on 2 processes, per rank | compute {t['compute_ms']:.1f} ms + waiting for the slower rank {t['wait_ms']:.1f} ms "
         f"+ all-reduce once both are ready {t['allreduce_ms']:.1f} ms | the same all-reduce between idle ranks {t['idle_allreduce_ms']:.2f} ms "
         f"(1 float: {t['idle_allreduce_one_float_ms']:.2f} ms) | | |",
@@ -367,6 +376,9 @@ def cpu_table(r):
     for ranks, row in mem["fsdp"].items():
         lines.append(f"| 4. memory: FSDP, {ranks} rank(s), width {mem['width']} | {row['max_state_bytes']:,} bytes (largest rank) | "
                      f"DDP / {ranks} = {mem['ddp_state_bytes'] / int(ranks):,.0f} bytes | {row['ratio_to_ddp_over_n']:.4f} | ≤ {mem['target']} |")
+    for ranks, row in mem.get("tp", {}).items():
+        lines.append(f"| 4. memory: TP, {ranks} rank(s), width {mem['width']} | {row['max_state_bytes']:,} bytes (largest rank) | "
+                     f"DDP / {ranks} = {mem['ddp_state_bytes'] / int(ranks):,.0f} bytes | {row['ratio_to_ddp_over_n']:.4f} | |")
     for row in r["pipeline"]["rows"]:
         lines.append(f"| 5. pipeline: {row['schedule']}, p = {r['pipeline']['stages']}, m = {row['microbatches']} | "
                      f"{row['measured_step_seconds'] * 1000:.1f} ms/step | ideal (m+p−1)·t_stage {row['ideal_step_seconds'] * 1000:.1f} ms "
