@@ -188,8 +188,8 @@ def main():
     ratios = [row["samples_per_second"] for row in results.get("gpu", {}).get("rows", [])]
     if cpu:
         ratios[:0] = [results["overhead"]["ratio"], results["data_path"]["ratio"],
-                      *(results["scaling"][k]["ratio"] for k in ("ddp", "fsdp", "ceiling")), *results["scaling"]["ddp_step"].values(),
-                      *(row["ratio_to_ddp_over_n"] for row in results["memory"]["fsdp"].values()),
+                      *(results["scaling"][k]["ratio"] for k in ("ddp", "fsdp", "tp", "ceiling")), *results["scaling"]["ddp_step"].values(),
+                      *(row["ratio_to_ddp_over_n"] for kind in ("fsdp", "tp") for row in results["memory"][kind].values()),
                       *(row["ratio"] for row in results["pipeline"]["rows"])]
     if not all(math.isfinite(v) and v > 0 for v in ratios):  # before anything is written
         sys.exit(f"benchmark: a figure is not a positive finite number: {ratios}")
