@@ -1,6 +1,7 @@
 """Train BabyCNN with tensor parallelism (TP) inside each group of --tp ranks, and FSDP2 across the groups.
 
 Launch (the README and run_tp.sh use the same commands):
+    python train_tp.py --tp 1                                      # one process, no torchrun: nothing split
     torchrun --standalone --nproc-per-node=2 train_tp.py           # one node, 2 processes: tp 2
     torchrun --standalone --nproc-per-node=4 train_tp.py --tp 2    # 4 processes: tp 2 x dp 2
     torchrun --nnodes=2 --node-rank=$NODE_RANK --nproc-per-node=2 --rdzv-backend=c10d \
@@ -55,7 +56,7 @@ def main():
     timeout = timedelta(minutes=10)  # a collective that waits longer than this fails instead of hanging
     if "RANK" in os.environ:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
-    else:  # plain `python train_fsdp.py`: a group of one, so every collective below runs unchanged
+    else:  # plain `python train_tp.py --tp 1`: a group of one, so every collective below runs unchanged
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     rank, world_size = dist.get_rank(), dist.get_world_size()  # rank decides who logs and writes files
     mesh = None  # for the finally below, if setup fails before the mesh exists
