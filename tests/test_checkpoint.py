@@ -59,7 +59,7 @@ def uninterrupted(mnist_dir, tmp_path_factory):
 KILLED = {"fsdp": (["--workers", "2"], "step-10"), "pippy": ([], "step-20"), "tp": ([], "step-20")}
 
 
-@pytest.mark.parametrize("name", ["fsdp", "pippy", "tp"])
+@pytest.mark.parametrize("name", ["fsdp", "pippy", pytest.param("tp", marks=pytest.mark.slow)])  # tp: CI's -m slow
 def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_interrupted(name, uninterrupted, mnist_dir, tmp_path):
     (launcher, _, flags), (more, step) = SCRIPTS[name], KILLED[name]
     args = ["bash", ROOT / launcher, *mnist_args(mnist_dir), *LONG, *flags, *more,

@@ -220,7 +220,7 @@ def test_the_container_command_runs_as_two_elastic_pods_stops_on_sigterm_and_res
 
 
 # DDP stops in the tests above; the other scripts' stops (every pipeline stage, every tp group must agree) here.
-@pytest.mark.parametrize("launcher", ["run_fsdp.sh", "run_pippy.sh", "run_tp.sh"])
+@pytest.mark.parametrize("launcher", ["run_fsdp.sh", "run_pippy.sh", pytest.param("run_tp.sh", marks=pytest.mark.slow)])
 def test_ctrl_c_stops_every_process_at_a_checkpoint(launcher, mnist_dir, tmp_path):
     run = Run(["bash", ROOT / launcher, *mnist_args(mnist_dir), *RUN, "--checkpoint-dir", tmp_path / "ck"],
               env=launcher_env(NPROC_PER_NODE=2))

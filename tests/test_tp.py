@@ -14,7 +14,7 @@ from conftest import (
 @pytest.mark.parametrize(
     "ranks, flags",
     [pytest.param(2, ["--batch-size", "32"], marks=pytest.mark.quick),
-     (4, ["--batch-size", "8", "--grad-accum", "2"])],
+     pytest.param(4, ["--batch-size", "8", "--grad-accum", "2"], marks=pytest.mark.slow)],  # CI: -m slow
     ids=["tp2", "tp2-dp2-accumulating"],
 )
 def test_tensor_parallel_training_matches_one_ddp_process(ranks, flags, reference, control, mnist_dir, tmp_path):
