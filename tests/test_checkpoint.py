@@ -59,7 +59,7 @@ def uninterrupted(mnist_dir, tmp_path_factory):
 KILLED = {"fsdp": (["--workers", "2"], "step-10"), "pippy": ([], "step-20"), "tp": ([], "step-20")}
 
 
-@pytest.mark.parametrize("name", ["fsdp", "pippy", pytest.param("tp", marks=pytest.mark.slow)])  # tp: CI's -m slow
+@pytest.mark.parametrize("name", ["fsdp", *(pytest.param(n, marks=pytest.mark.slow) for n in ("pippy", "tp"))])
 def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_interrupted(name, uninterrupted, mnist_dir, tmp_path):
     (launcher, _, flags), (more, step) = SCRIPTS[name], KILLED[name]
     args = ["bash", ROOT / launcher, *mnist_args(mnist_dir), *LONG, *flags, *more,
@@ -138,15 +138,17 @@ def test_ddp_checkpoint_resumes_on_one_process_past_an_interrupted_save(uninterr
     assert max_difference(load_weights(tmp_path / "final.pt"), load_weights(uninterrupted("ddp") / "final.pt")) == 0
 
 
-@pytest.mark.parametrize(
-    "saved, script, ranks, flags",
-    [("fsdp", "train_fsdp.py", 4, ["--batch-size", "8"]), ("ddp", "train_fsdp.py", 2, ["--batch-size", "16"]),
-     ("fsdp", "train_ddp.py", 1, ["--batch-size", "32"]), ("pippy", "train_ddp.py", 1, ["--batch-size", "32"]),
-     ("pippy", "train_pippy.py", 2, ["--batch-size", "32", "--schedule", "looped-bfs"]),
-     ("tp", "train_ddp.py", 1, ["--batch-size", "32"]), ("ddp", "train_tp.py", 2, ["--batch-size", "32"])],
-    ids=["fsdp-2-to-fsdp-4", "ddp-to-fsdp", "fsdp-to-ddp", "pipeline-to-ddp", "pipeline-2-stages-to-4", "tp-to-ddp",
-         "ddp-to-tp"],
-)
+@pytest.mark.parametrize("saved, script, ranks, flags", [
+    pytest.param("fsdp", "train_fsdp.py", 4, ["--batch-size", "8"], id="fsdp-2-to-fsdp-4"),
+    pytest.param("fsdp", "train_ddp.py", 1, ["--batch-size", "32"], id="fsdp-to-ddp"),
+    pytest.param("pippy", "train_ddp.py", 1, ["--batch-size", "32"], id="pipeline-to-ddp"),
+    # CI's -m slow:
+    pytest.param("pippy", "train_pippy.py", 2, ["--batch-size", "32", "--schedule", "looped-bfs"],
+                 id="pipeline-2-stages-to-4", marks=pytest.mark.slow),
+    pytest.param("ddp", "train_fsdp.py", 2, ["--batch-size", "16"], id="ddp-to-fsdp", marks=pytest.mark.slow),
+    pytest.param("tp", "train_ddp.py", 1, ["--batch-size", "32"], id="tp-to-ddp", marks=pytest.mark.slow),
+    pytest.param("ddp", "train_tp.py", 2, ["--batch-size", "32"], id="ddp-to-tp", marks=pytest.mark.slow),
+])
 def test_checkpoints_reshard_across_strategies(saved, script, ranks, flags, uninterrupted, mnist_dir, tmp_path):
     # DCP stores each tensor under its parameter name: whoever wrote a part, any layout loads it.
     checkpoints = copy_checkpoints(uninterrupted(saved), tmp_path)

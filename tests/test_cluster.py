@@ -60,6 +60,7 @@ def assert_stopped(run, signal_name, checkpoint_dir):
     return int(step)
 
 
+@pytest.mark.slow  # CI's -m slow, as the Kubernetes pods below
 def test_slurm_two_nodes_stop_before_the_time_limit_requeue_and_end_like_one_node(never_stopped, mnist_dir, tmp_path):
     requeued, srun_options = tmp_path / "scontrol.log", tmp_path / "srun.log"
     env = launcher_env(
@@ -173,6 +174,7 @@ def image_workdir(tmp_path):
     return workdir
 
 
+@pytest.mark.slow
 def test_the_container_command_runs_as_two_elastic_pods_stops_on_sigterm_and_resumes(never_stopped, mnist_dir,
                                                                                    tmp_path):
     job, worker = worker_spec()

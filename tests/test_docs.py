@@ -10,6 +10,9 @@ until it calls parse_args, which is replaced by a function that hands back the p
 the script. That costs well under a second for all of them, where a `--help` subprocess per
 script would import torch again each time (several seconds each on a 2-core machine).
 
+The blocks docs/code_on_page.py writes into the pages (the code they quote: excerpts of the scripts,
+the snippets) must be what it writes today: its --check finds them current.
+
 Every relative link and image in those pages must point to a file that exists, and a link with a
 #fragment to a heading of that page. docs/images/*.png are drawn by docs/figures.py and are
 checked like any other file.
@@ -28,6 +31,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "docs"))
+import code_on_page  # noqa: E402
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*([\w+-]*)")
@@ -268,3 +273,18 @@ def test_the_diff_sizes_the_docs_quote_are_the_scripts_own():
     for page, command, count in quoted:
         counted = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True).stdout.strip()
         assert counted == count, f"{page}: {command} counts {counted}, the page says {count}"
+
+
+def test_the_generated_code_on_the_pages_is_current():
+    done = subprocess.run([sys.executable, ROOT / "docs" / "code_on_page.py", "--check"], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr + "\nrun: python docs/code_on_page.py"
+    pages = {page.name: page.read_text() for page in code_on_page.PAGES}
+    for page, directive in [("fsdp.md", 'lines train_fsdp.py "# Keep unsharded gradients local"'),
+                            ("pipeline.md", 'lines train_pippy.py "# ---- wrap"'),
+                            ("batch.md", 'lines docs/snippets/dataloader.py "sampler = DistributedSampler("')]:
+        assert f"<!-- generated: {directive}" in pages[page], f"{page} lost its block {directive!r}"
+    # The check sees drift: one line of the quoted code changed is put back by the generator.
+    text = pages["fsdp.md"]
+    drifted = text.replace("set_requires_gradient_sync(last_micro_step)", "set_requires_gradient_sync(True)", 1)
+    assert drifted != text and code_on_page.generated(drifted) == text

@@ -51,8 +51,14 @@ def neighbours_refused(schedule):
     return f"--schedule {schedule} with two neighbouring stages on one rank fails on gloo"
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.quick) if name == "1f1b-2-accumulate" else name
-                                  for name in LAYOUTS])
+# The README's command runs four layouts (gpipe, 1f1b, zbv, and replicas of a looped pipeline); CI's -m slow the
+# other four.
+SLOW_LAYOUTS = {"1f1b-4-stages", "interleaved-1f1b-2x2-accumulate", "looped-bfs-2x2-accumulate",
+                "interleaved-zb-2x2-accumulate"}
+MARKS = {"1f1b-2-accumulate": pytest.mark.quick, **{name: pytest.mark.slow for name in SLOW_LAYOUTS}}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=MARKS.get(name, ())) for name in LAYOUTS])
 def test_every_schedule_matches_one_ddp_process(name, reference, reference_metrics, control, mnist_dir, tmp_path):
     ranks, flags = LAYOUTS[name]
     path, metrics_path = tmp_path / "pipeline.pt", tmp_path / "metrics.json"
