@@ -45,7 +45,7 @@ TIMEOUT = 240  # seconds for one launch; a healthy one takes 5 to 40 here
 # pytest-xdist hands out whole files (--dist loadfile, pytest.ini) in the order they were collected: the longest go
 # first (by --durations, in seconds of launches), so that none starts last while the other worker has nothing left.
 LONGEST_FIRST = ["test_checkpoint.py", "test_launch.py", "test_pippy.py", "test_bad_input.py", "test_fsdp.py",
-                 "test_cluster.py", "test_ddp.py", "test_template.py", "test_hardening.py"]
+                 "test_cluster.py", "test_ddp.py", "test_hardening.py", "test_progress.py"]
 
 
 def pytest_collection_modifyitems(items):
@@ -243,8 +243,7 @@ def launch(script, processes, *args, env=None):
 
 def run_sh(script, processes, *args, env=None):
     """Start ``NPROC_PER_NODE=processes bash run_ddp.sh args`` (run_fsdp.sh, run_pippy.sh: the script's own)."""
-    env = {**(env or child_env()), "NPROC_PER_NODE": str(processes)}
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # torchrun: this Python's
+    env = with_this_pythons_torchrun({**(env or child_env()), "NPROC_PER_NODE": str(processes)})
     return Run(["bash", ROOT / script.replace("train_", "run_").replace(".py", ".sh"), *args], env=env)
 
 
@@ -458,6 +457,9 @@ def worker_pids(parent):
 
 def launcher_env(**extra):
     """Environment for a run_*.sh launch: torchrun must be this Python's."""
-    env = child_env(**extra)
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
-    return env
+    return with_this_pythons_torchrun(child_env(**extra))
+
+
+def with_this_pythons_torchrun(env):
+    """``env`` with this Python's bin directory first on its PATH, where launch.sh finds torchrun."""
+    return {**env, "PATH": os.path.dirname(sys.executable) + os.pathsep + env["PATH"]}

@@ -20,6 +20,7 @@ COMPARE = ROOT / "benchmarks" / "compare.py"
 
 
 @pytest.mark.slow
+@pytest.mark.pages
 def test_quick_benchmark_reports_every_figure(tmp_path):
     scratch = tmp_path / "tmp"  # the benchmark's temporary directory, alone in its own
     scratch.mkdir()
@@ -50,6 +51,7 @@ def test_quick_benchmark_reports_every_figure(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.pages
 def test_host_overhead_reports_the_cost_of_a_step_and_of_the_start(tmp_path):
     run = Run([sys.executable, ROOT / "benchmarks" / "host_overhead.py", "--steps", "200", "--repeats", "1",
                "--out", tmp_path]).wait(timeout=600)
@@ -86,6 +88,7 @@ def test_figure_6_alone_on_a_gpu(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.pages
 def test_a_failing_configuration_says_its_own_error_and_leaves_no_scratch_directory(tmp_path):
     scratch = tmp_path / "tmp"
     scratch.mkdir()
@@ -112,6 +115,7 @@ def failure_message(command):
 
 
 @pytest.mark.slow
+@pytest.mark.pages
 def test_a_failed_configuration_reports_the_scripts_error_line_not_torchruns_summary():
     message = failure_message([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                                ROOT / "train_ddp.py", "--epochs", "0"])
@@ -122,6 +126,7 @@ def test_a_failed_configuration_reports_the_scripts_error_line_not_torchruns_sum
 
 
 @pytest.mark.slow
+@pytest.mark.pages
 def test_a_failed_configuration_reports_the_traceback_of_the_rank_that_failed_first(tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text("""
@@ -153,6 +158,7 @@ except RuntimeError:
 
 
 @pytest.mark.slow
+@pytest.mark.pages
 def test_watch_overhead_reports_both_runs_and_the_host_cost_and_the_plot_reads_the_csv(tmp_path):
     run = Run([sys.executable, ROOT / "benchmarks" / "watch_overhead.py", "--pairs", "1", "--steps", "100"]).wait()
     assert run.returncode == 0, run.output[-3000:]

@@ -16,7 +16,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from conftest import ROOT, succeeded, torchrun
 
-pytestmark = pytest.mark.slow  # the docs' code, as the docs' exercises: CI's -m slow
+pytestmark = [pytest.mark.slow, pytest.mark.pages]  # the docs' code, as their exercises (pytest.ini)
 
 
 def json_lines(output):

@@ -175,6 +175,7 @@ def test_the_fitted_lines_sit_among_their_points():
 
 
 @pytest.mark.slow  # a benchmark (pytest.ini): each collective timed over message sizes on 2 ranks
+@pytest.mark.pages
 def test_the_benchmark_runs_and_writes_its_fits(tmp_path):
     run = succeeded(python("benchmarks/collectives.py", "--quick", "--out", tmp_path))
     check_report(json.loads((tmp_path / "collectives.json").read_text()), [2], 4 << 20)

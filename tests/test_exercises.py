@@ -31,16 +31,14 @@ The commands also parse with the scripts' own parsers (tests/test_docs.py). The 
 """
 
 import json
-import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, Run, child_env, python, run_sh
+from conftest import ROOT, Run, launcher_env, python, run_sh
 
 PAGES = [ROOT / "docs" / name for name in ("ddp.md", "fsdp.md", "pipeline.md")]
 CHECK = re.compile(r"<!-- check: (.*?) -->")
@@ -186,8 +184,7 @@ class Runs:
             if words[0] == "python":
                 run = python(words[1], *args)
             elif words[2] == "launch.sh":
-                env = child_env(NPROC_PER_NODE=words[0].split("=", 1)[1])
-                env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # torchrun: this Python's
+                env = launcher_env(NPROC_PER_NODE=words[0].split("=", 1)[1])
                 run = Run(["bash", ROOT / "launch.sh", self.broken_copy(words[3]), *args[1:]], env=env)
             else:
                 script = Path(words[words.index("bash") + 1]).name.replace("run_", "train_").replace(".sh", ".py")
@@ -222,6 +219,7 @@ def all_exercises():
 
 
 @pytest.mark.slow
+@pytest.mark.pages
 @pytest.mark.parametrize("page, index", all_exercises())
 def test_the_exercise_answers_are_what_the_runs_give(runs, page, index):
     title, commands, question, visible, checks = exercises(page)[index]

@@ -27,7 +27,8 @@ def png_size(path):
     return struct.unpack(">II", data[16:24])
 
 
-@pytest.mark.slow  # the docs' runs, as their exercises: CI's -m slow
+@pytest.mark.slow  # the docs' runs, as their exercises (pytest.ini)
+@pytest.mark.pages
 def test_figures_match_the_committed_ones(tmp_path):
     # The same data on torch 2.9.1 and 2.14.1 (compared by hand): no release is left out.
     run = Run([sys.executable, ROOT / "docs" / "figures.py", "--out", tmp_path], env=child_env()).wait(timeout=180)

@@ -53,6 +53,8 @@ def apply_diff(text, diff):
     return text
 
 
+@pytest.mark.slow  # the README's recipe run, as the docs' exercises are (pytest.ini)
+@pytest.mark.pages
 def test_a_copied_script_trains_another_model_on_other_data(tmp_path):
     """The README's recipe, for all three scripts: its model is stock PyTorch (default init, BatchNorm), not BabyCNN,
     and its data a map-style Dataset read through a DataLoader. Each copy learns. In float64 the FSDP copy on 2 ranks

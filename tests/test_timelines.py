@@ -49,7 +49,8 @@ def committed():
     return json.loads((IMAGES / "timelines.json").read_text())
 
 
-@pytest.mark.slow  # the docs' runs, as their exercises: CI's -m slow
+@pytest.mark.slow  # the docs' runs, as their exercises (pytest.ini)
+@pytest.mark.pages
 def test_timelines_match_the_committed_ones(tmp_path, committed):
     run = Run([sys.executable, ROOT / "docs" / "timelines.py", "--out", tmp_path], env=child_env()).wait(timeout=240)
     if torch.__version__ < (2, 14):  # zbv cannot run on gloo there: docs/timelines.py refuses in one line
