@@ -2,7 +2,7 @@
 configuration fails, and what it leaves behind.
 
 The benchmark's runs are the scripts the other files test, measured: these tests are marked slow (minutes of
-launches) and left out of the default run; CI runs them (`python -m pytest tests -m slow`)."""
+launches) and left out of the default run, and pages (their figures are quoted): CI runs them with `-m pages`."""
 
 import json
 import math

@@ -141,7 +141,7 @@ def test_ddp_checkpoint_resumes_on_one_process_past_an_interrupted_save(uninterr
 @pytest.mark.parametrize("saved, script, ranks, flags", [
     pytest.param("fsdp", "train_fsdp.py", 4, ["--batch-size", "8"], id="fsdp-2-to-fsdp-4"),
     pytest.param("fsdp", "train_ddp.py", 1, ["--batch-size", "32"], id="fsdp-to-ddp"),
-    # CI's -m slow:
+    # -m slow:
     pytest.param("pippy", "train_ddp.py", 1, ["--batch-size", "32"], id="pipeline-to-ddp", marks=pytest.mark.slow),
     pytest.param("pippy", "train_pippy.py", 2, ["--batch-size", "32", "--schedule", "looped-bfs"],
                  id="pipeline-2-stages-to-4", marks=pytest.mark.slow),

@@ -60,7 +60,7 @@ def assert_stopped(run, signal_name, checkpoint_dir):
     return int(step)
 
 
-@pytest.mark.slow  # CI's -m slow, as the Kubernetes pods below
+@pytest.mark.slow  # as the Kubernetes pods below (pytest.ini)
 def test_slurm_two_nodes_stop_before_the_time_limit_requeue_and_end_like_one_node(never_stopped, mnist_dir, tmp_path):
     requeued, srun_options = tmp_path / "scontrol.log", tmp_path / "srun.log"
     env = launcher_env(

@@ -53,7 +53,7 @@ def test_gradient_accumulation_matches_one_process_at_twice_the_batch(reference,
     assert_same_math(load_weights(path), reference, control)
 
 
-@pytest.mark.slow  # a minute of compiling: CI runs it (-m slow), beside the README's command's 8 minutes
+@pytest.mark.slow  # a minute of compiling (pytest.ini)
 def test_the_compiled_model_does_the_same_math(reference, control, mnist_dir, tmp_path):
     """--compile: the whole model compiled, then wrapped in DDP (whose graph dynamo would split at the gradient
     buckets; this model fills one), on two ranks. On a CPU there are no CUDA graphs; the math is what is checked:

@@ -12,7 +12,7 @@ from conftest import (
 @pytest.mark.parametrize(
     "ranks, layout",
     [pytest.param(2, ["--sharding", "grad-op"], marks=pytest.mark.quick),
-     pytest.param(4, ["--sharding", "hybrid", "--replicate-degree", "2"], marks=pytest.mark.slow)],  # CI's -m slow
+     pytest.param(4, ["--sharding", "hybrid", "--replicate-degree", "2"], marks=pytest.mark.slow)],  # -m slow
     ids=["grad-op-2", "hybrid-2x2"],  # full sharding: the AdamW test below
 )
 def test_sharded_training_matches_one_ddp_process_at_the_same_global_batch(ranks, layout, reference, control, mnist_dir,

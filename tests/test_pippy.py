@@ -51,7 +51,7 @@ def neighbours_refused(schedule):
     return f"--schedule {schedule} with two neighbouring stages on one rank fails on gloo"
 
 
-# The README's command runs four layouts (gpipe, 1f1b, zbv, and replicas of a looped pipeline); CI's -m slow the
+# The README's command runs four layouts (gpipe, 1f1b, zbv, and replicas of a looped pipeline); -m slow the
 # other four.
 SLOW_LAYOUTS = {"1f1b-4-stages", "interleaved-1f1b-2x2-accumulate", "looped-bfs-2x2-accumulate",
                 "interleaved-zb-2x2-accumulate"}

@@ -14,7 +14,7 @@ from conftest import (
 @pytest.mark.parametrize(
     "ranks, flags",
     [pytest.param(2, ["--batch-size", "32"], marks=pytest.mark.quick),
-     pytest.param(4, ["--batch-size", "8", "--grad-accum", "2"], marks=pytest.mark.slow)],  # CI: -m slow
+     pytest.param(4, ["--batch-size", "8", "--grad-accum", "2"], marks=pytest.mark.slow)],  # -m slow
     ids=["tp2", "tp2-dp2-accumulating"],
 )
 def test_tensor_parallel_training_matches_one_ddp_process(ranks, flags, reference, control, mnist_dir, tmp_path):
@@ -39,7 +39,7 @@ BREAKS = {
 }
 
 
-@pytest.mark.slow  # CI runs it (-m slow): the equivalence test above has its own negative control
+@pytest.mark.slow  # the equivalence test above has its own negative control
 @pytest.mark.parametrize("name", BREAKS)
 def test_each_mistake_trains_another_model(name, reference, mnist_dir, tmp_path):
     text = (ROOT / "train_tp.py").read_text()
@@ -59,7 +59,7 @@ def test_a_layout_that_does_not_divide_is_one_line(tmp_path):
                                "which it splits")
 
 
-@pytest.mark.slow  # CI runs it (-m slow)
+@pytest.mark.slow
 def test_the_collectives_and_the_bytes_per_rank_are_what_the_page_predicts():
     # 2 groups of 2: the tp all-reduces and FSDP's all-gathers and reduce-scatters of one step, counted by
     # CommDebugMode; and each rank's weights, gradients and AdamW moments, 1/(dp x tp) of the model's, but for
