@@ -24,12 +24,13 @@
 # own variables instead (PET_NNODES=MIN:MAX, PET_RDZV_ENDPOINT, PET_RDZV_ID, PET_MAX_RESTARTS), and torchrun
 # reads them itself: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, RDZV_ID and MAX_RESTARTS are not used.
 #
-# SIGTERM, SIGUSR1 (SLURM's warning before a time limit) or SIGINT to torchrun: it passes the signal on, the
-# workers stop together at their next logging step and write a checkpoint (with --checkpoint-dir), and the
-# launch ends with exit code 128 + the signal's number (143, 138, 130), which schedulers read as "preempted".
-# A second signal ends it at once; one during start-up is one line; one after the last step lets the run finish (exit
-# code 0). A failed launch ends in one line, not torchrun's traceback: exit code 2 for a bad input the workers found
-# (not restarted), 1 for a crash (plumbing/torchrun.py says what each ending prints).
+# A stop signal to torchrun (plumbing/hardening.py's STOP_SIGNALS: SIGTERM, SIGINT, SIGUSR1, SLURM's warning before a
+# time limit, SIGHUP, SIGQUIT): it passes the signal on, the workers stop together within about a second of training
+# and write a checkpoint (with --checkpoint-dir), and the launch ends with exit code 128 + the signal's number (143,
+# 130, 138, 129, 131), which schedulers read as "preempted". A second signal ends it at once; one during start-up is
+# one line; one after the last step lets the run finish (exit code 0). A failed launch ends in one line, not
+# torchrun's traceback: exit code 2 for a bad input the workers found (not restarted), 75 for a failure that may pass
+# on a retry (a peer lost: restarted while MAX_RESTARTS allows), 1 for a crash (plumbing/torchrun.py says more).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -109,9 +110,8 @@ if [ -z "${OMP_NUM_THREADS:-}" ]; then
     threads=$(( cores / NPROC_PER_NODE ))
     export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
 fi
-# torchrun (plumbing/torchrun.py) passes these signals on to the workers: SIGTERM, SIGUSR1 (SLURM's warning), SIGINT,
-# SIGHUP, SIGQUIT; then it gives them 30 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, from torch 2.10) to write their checkpoint
-# before it kills them.
+# torchrun (plumbing/torchrun.py) passes the stop signals on to the workers, then gives them 30 s
+# (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, from torch 2.10) to write their checkpoint before it kills them.
 
 # The torchrun below is this function: torchrun's own code, all output passing through, but a launch that fails
 # ends in one line instead of torchrun's 40- to 80-line traceback (plumbing/torchrun.py says how each ending reads).

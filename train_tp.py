@@ -19,6 +19,7 @@ Every collective is called here, or in a call marked "collective" (every rank mu
 """
 
 import logging
+import math
 import os
 from datetime import timedelta
 
@@ -55,10 +56,14 @@ def main():
     found = data.find(args.dataset, args.data_dir, download=not args.no_download)
     timeout = timedelta(minutes=10)  # a collective that waits longer than this fails instead of hanging
     if "RANK" in os.environ:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        store = hardening.store_for_this_attempt(timeout)  # torchrun's, this restart's own part (None: env://)
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), timeout=timeout,
+                                world_size=int(os.environ["WORLD_SIZE"]),
+                                device_id=device if device.type == "cuda" else None)
     else:  # plain `python train_tp.py --tp 1`: a group of one, so every collective below runs unchanged
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     rank, world_size = dist.get_rank(), dist.get_world_size()  # rank decides who logs and writes files
+    progress = None
     mesh = None  # for the finally below, if setup fails before the mesh exists
     try:
         log = core.log if rank == 0 else (lambda line: None)  # above rank 0's progress bar
@@ -131,7 +136,7 @@ def main():
                                  args.log_dir)
         profiler = core.Profiler(args, rank, device, resumed["step"], total_steps)  # one line if it cannot
         window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device: no per-step sync
-        stop, stop_signal = hardening.StopSignals(), 0  # SIGTERM, SIGUSR1, Ctrl-C; stop_signal: the one ranks agreed on
+        stop, stop_signal = hardening.StopSignals(rank, resumed["step"]), 0  # stop_signal: the one ranks agreed on
         test_loss = test_accuracy = None  # stay None with --no-eval
         first_epoch, first_step_in_epoch = resumed["epoch"], resumed["samples_into_epoch"] // global_batch_size
         for epoch in range(first_epoch, -(-total_steps // steps_per_epoch)):
@@ -161,25 +166,32 @@ def main():
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 optimizer.step()
-                if progress.update(end_of_epoch=step_in_epoch == last - 1):
+                log_now = progress.update(end_of_epoch=step_in_epoch == last - 1)
+                if log_now or stop.due(progress.step):  # and about once a second: the same steps on every rank
+                    # A signal reaches the ranks at different steps: they compare here, and all stop at this one.
+                    agreed = stop.proposal(device)  # [the signal received here or 0, -(steps to the next check)]
+                    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+                    stop_signal = stop.agree(agreed, progress.step)
+                if log_now or stop_signal:
                     # One all-reduce per logging window, not per step: the mean loss over all ranks (a tp group's
                     # ranks hold the same loss, so the mean is the groups').
                     dist.all_reduce(window_loss)
                     mean_loss = window_loss.item() / (window_count * world_size)
+                    if not math.isfinite(mean_loss):  # the same all-reduced value on every rank: all stop here
+                        raise checkpointer.diverged(progress.step, f"the training loss is {mean_loss}")
                     norm = grad_norm.item() if args.max_grad_norm else None  # the last step's, before clipping
-                    progress.record_loss_or_raise_if_diverged(mean_loss, "loss (all ranks)", lr, norm)
+                    progress.record_loss(mean_loss, "loss (all ranks)", lr, norm)
                     window_loss.zero_()
                     window_count = 0
-                    # A signal reaches the ranks at different steps: they compare here, and all stop at this one.
-                    agreed = torch.tensor(stop.received, device=device)
-                    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-                    stop_signal = int(agreed)
                 profiler.after_step(progress.step)  # --profile-steps: starts or stops here
                 # Also at the last step: a job requeued after it finished finds nothing left to train.
                 last_step = progress.step == total_steps
                 if args.checkpoint_dir and (stop_signal or last_step or progress.step % args.checkpoint_every == 0):
+                    for buffer in model.buffers():  # each rank's own running statistics: rank 0's are saved
+                        dist.broadcast(buffer, src=0)
                     position = {"epoch": epoch, "samples_into_epoch": (step_in_epoch + 1) * global_batch_size}
-                    checkpointer.save(progress.step, position, model, optimizer, peak_lr)  # collective: all ranks
+                    # collective: all ranks; it refuses weights or a loss that are not finite
+                    checkpointer.save(progress.step, position, model, optimizer, peak_lr, window_loss)
                 if stop_signal and not last_step:  # at the last step it just finishes
                     stop.say_and_exit(stop_signal, progress.step, total_steps, args.checkpoint_dir)
 
@@ -209,9 +221,9 @@ def main():
             # same tensor, a little slower. Said once here instead.
             logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
             full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if rank == 0:
-                core.save_state_dict(full_state, args.save)
-                log(f"saved the weights to {args.save}")
+            # collective: whatever rank 0's write raises, every rank raises it
+            hardening.on_rank_0(lambda: core.save_state_dict(full_state, args.save), "writing --save")
+            log(f"saved the weights to {args.save}")
         if args.metrics:  # every rank sends what it holds to rank 0, which writes the summary
             ranks = [None] * world_size
             dist.all_gather_object(ranks, {"rank": rank, **core.memory(model, optimizer, device)})
@@ -222,9 +234,11 @@ def main():
                     **progress.summary(), "test_loss": test_loss, "test_accuracy": test_accuracy,
                     "param_count": param_count, "precision": args.precision, "dataset": dataset_name,
                     "peak_lr": peak_lr, "ranks": ranks,
-                    **core.throughput(flops, progress.rate(), device, args.precision),
+                    **core.throughput(flops, progress.rate(), world_size, device, args.precision),
                 }, args.metrics)
     finally:
+        if progress:  # the CSV and TensorBoard's events are closed however the run ends
+            progress.close()
         # torch 2.14's DTensor caches keep the mesh for good, and the mesh its group: let go of it (private; 2.9 has
         # none), or gloo's threads live into interpreter shutdown, where they may abort the process
         getattr(mesh, "_pg_registry", {}).clear()

@@ -29,6 +29,11 @@ class NodeError(UsageError):
     """A problem of one node (its GPUs), found before the process group exists: each such node says it."""
 
 
+class Retryable(Exception):
+    """A failure that may pass on a retry (a peer lost, a collective's error or timeout, an I/O error): one line,
+    exit code 75 (EX_TEMPFAIL), which torchrun's restarts retry."""
+
+
 BARS = []  # rank 0's progress bar (Progress): closed before a last line (an error, a stop), which goes below it
 
 
@@ -188,11 +193,16 @@ def flops_per_sample(model, dataset, device, dtype):
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense tensor-core FLOP/s, the SXM parts' data sheets
 
 
-def throughput(flops, samples_per_second, device, precision):  # the metrics' FLOP/s, and MFU where the peak is known
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    peak = next((v for gpu, v in PEAK_BF16.items() if gpu in name), None) if precision == "bf16" else None
-    achieved = flops * samples_per_second
-    return {"flops_per_sample": flops, "flops_per_second": achieved, "mfu": achieved / peak if peak else None}
+def throughput(flops, samples_per_second, world_size, device, precision, gpu_name=None):
+    """The metrics' FLOP/s: all ranks' together and one rank's, and MFU: one GPU's FLOP/s over its peak, known for
+    bf16 on the GPUs above (``gpu_name``: the device's own unless given)."""
+    if gpu_name is None:
+        gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    peak = next((v for gpu, v in PEAK_BF16.items() if gpu in gpu_name), None) if precision == "bf16" else None
+    achieved = flops * samples_per_second  # samples_per_second: the global batch's, all ranks together
+    per_gpu = achieved / world_size
+    return {"flops_per_sample": flops, "flops_per_second": achieved, "flops_per_second_per_gpu": per_gpu,
+            "peak_flops_per_gpu": peak, "mfu": per_gpu / peak if peak else None}
 
 
 @torch.no_grad()
@@ -248,8 +258,11 @@ def cannot_write(path, error, needed=0):  # why a write failed; a full disk, wit
     return getattr(error, "strerror", None) or " ".join(str(error).split())
 
 
-def save_state_dict(state_dict, path):  # plain CPU tensors, which torch.load(weights_only=True) reads
+def save_state_dict(state_dict, path):  # plain CPU tensors, which torch.load(weights_only=True) reads; finite ones
     state_dict = {name: tensor.detach().cpu() for name, tensor in state_dict.items()}
+    if bad := next((n for n, t in state_dict.items() if t.is_floating_point() and not t.isfinite().all()), None):
+        raise UsageError(f"{path} was not written: {bad} is not finite (training diverged); lower --lr or raise "
+                         "--warmup-steps")
     write_atomically(path, lambda file: torch.save(state_dict, file), sum(t.nbytes for t in state_dict.values()))
 
 
@@ -285,12 +298,9 @@ class Progress:
         self.bar.update()  # no wait for the device: the bar's clock reads the host's
         return self.step % self.log_every == 0 or self.step == self.total_steps or end_of_epoch
 
-    def record_loss_or_raise_if_diverged(self, loss, label, lr, grad_norm=None):  # a UsageError on a NaN or inf loss
+    def record_loss(self, loss, label, lr, grad_norm=None):  # a logging step's: the bar, the line, --log-dir's row
         self.synchronize()
         self.train_seconds, self.started = self.train_seconds + time.perf_counter() - self.started, time.perf_counter()
-        if not math.isfinite(loss):  # every rank holds the same all-reduced value, so all stop here
-            raise UsageError(f"the training loss is {loss} at step {self.step}: training diverged; lower --lr or add "
-                             "--warmup-steps (no weights were saved)")
         self.final_train_loss = loss
         self.loss_curve.append([self.step, loss, self.train_seconds])
         self.grad_norms += [[self.step, grad_norm]] if grad_norm is not None else []
@@ -307,10 +317,11 @@ class Progress:
         if self.rows:
             self.rows.write(step=self.step, epoch=self.epoch + 1, test_loss=test_loss, test_accuracy=test_accuracy)
 
-    def close(self):  # the bar's last state stays on the screen
+    def close(self):  # the bar's last state stays on the screen; the CSV and TensorBoard's events are closed
         self.bar.close()
         if self.rows:
             self.rows.close()
+            self.rows = None
 
     def rate(self):  # samples per second of training
         return (self.step - self.start_step) * self.global_batch_size / max(self.train_seconds, 1e-9)

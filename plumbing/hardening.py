@@ -1,6 +1,7 @@
 """What a production job adds: one-line errors, dying with torchrun, signals, checkpoints. Collectives say so."""
 
 import ctypes
+import errno
 import gc
 import hashlib
 import json
@@ -20,16 +21,21 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils._pytree import tree_leaves
 
-from plumbing.core import NodeError, UsageError, cannot_write, save_json, say
+from plumbing.core import NodeError, Retryable, UsageError, cannot_write, save_json, say
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# The signals torchrun passes on to its workers (plumbing/torchrun.py sets the same before torch is imported).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
+RETRY_EXIT = 75  # EX_TEMPFAIL: a failure that may pass on a retry; torchrun restarts it, a bad input (2) it does not
 FORMAT = 4  # of checkpoint.json: 4 holds the peak lr
+# What a failed write says when the user must act: the disk or its permissions, not a passing fault.
+USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR}
 
 
 def run(main, *also):
     """Run ``main()`` as a worker: under torchrun, die with it (SIGKILL, from the OOM killer or a scheduler, gives it no
     chance to stop workers, which would train on and race a restart for --checkpoint-dir; Linux's PR_SET_PDEATHSIG).
-    A UsageError (or an ``also``: the data's) is one line from rank 0 (NodeError: each node's), exit code 2. Under
+    A UsageError (or an ``also``: the data's) is one line from rank 0 (NodeError: each node's), exit code 2. A failure
+    that may pass on a retry (``transient``) is one line, exit code 75, which torchrun's restarts retry. Under
     torchrun a failed rank's line (a crash: its traceback) also goes to its error file, for plumbing/torchrun.py."""
     launcher = os.getppid()
     if "RANK" in os.environ and sys.platform.startswith("linux"):
@@ -42,12 +48,35 @@ def run(main, *also):
         _end(f"error: {error}", 2, int(os.environ.get("LOCAL_RANK", "0")) if isinstance(error, NodeError) else None)
     except KeyboardInterrupt:  # before the training loop's StopSignals
         _end("stopped by SIGINT during start-up", 130)
-    except Exception:
+    except Exception as error:
+        if line := transient(error):  # each failed rank's own line: the launcher prints the first
+            _end(f"error: {line}: torchrun's restarts (MAX_RESTARTS) try again", RETRY_EXIT,
+                 rank=-1 if os.environ.get("TORCHELASTIC_ERROR_FILE") else 0)
         if "TORCHELASTIC_ERROR_FILE" not in os.environ:
             raise
         _end(traceback.format_exc().rstrip(), 1, rank=-1)  # for the launcher to print, if this rank failed first
     finally:  # FSDP's modules hold their group in reference cycles: collected now, the group and gloo's threads end
         gc.collect()  # here, not at interpreter shutdown, where one letting go of a collective's tensors would abort
+
+
+def transient(error):
+    """One line for a failure that may pass on a retry (a peer lost, a collective's error or timeout, a CUDA or NCCL
+    error, an OSError other than a full disk or a permission); None for any other."""
+    if isinstance(error, Retryable):
+        return str(error)
+    if isinstance(error, CheckpointException):  # DCP's: {rank: (exception, traceback)}
+        causes = [cause for cause, _ in getattr(error, "failures", {}).values()]
+        return next((f"{line} (in DCP)" for line in map(transient, causes) if line), None)
+    text = " ".join(str(error).split())[:300]
+    if isinstance(error, OSError):
+        return None if error.errno in USER_ERRNOS else f"{type(error).__name__}: {text}"
+    if isinstance(error, torch.cuda.OutOfMemoryError):  # the same batch runs out again: not a passing fault
+        return None
+    if isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and any(
+            word in text for word in ("gloo", "NCCL", "CUDA error", "Connection", "connection", "timed out",
+                                      "Timed out", "Socket"))):
+        return f"a collective failed ({text})"
+    return None
 
 
 def _end(line, exit_code, rank=None):
@@ -60,13 +89,51 @@ def _end(line, exit_code, rank=None):
     sys.exit(exit_code)
 
 
-class StopSignals:
-    """SIGTERM (Kubernetes, SLURM, torchrun), SIGUSR1 (SLURM's warning) and SIGINT (Ctrl-C) ask for a stop: ``received``
-    is the first, which the ranks compare at each logging step. A second, over a second later (not one signal sent to
-    all, which torchrun passes on too), ends the process: a thread watches, as a rank blocked in a collective can't."""
+def store_for_this_attempt(timeout):
+    """Under torchrun, which hosts the workers' store: that store, under a prefix of this attempt's own. torchrun keeps
+    one store across its restarts, where a restarted worker would read the dead workers' addresses and fail
+    ("Connection refused", pytorch issue 135712). None elsewhere: init_process_group reads MASTER_ADDR itself."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
-    def __init__(self):
-        self.received = 0
+
+def on_rank_0(work, what):
+    """Collective: rank 0 does ``work()`` and returns its result on every rank. Whatever rank 0 raises, every rank
+    raises at once with the same one line (a UsageError stays one, a transient failure is Retryable); never are the
+    others left waiting for a collective that rank 0 will not make."""
+    outcome = [None, None]  # [result, (kind, line)]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = work()
+        except UsageError as error:
+            outcome[1] = ("usage", str(error))
+        except Exception as error:  # a bug too: its traceback here, its line on every rank
+            line = transient(error)
+            if line is None:
+                traceback.print_exc()
+            outcome[1] = ("retry", line) if line else ("crash", f"rank 0 failed {what}: {type(error).__name__}: "
+                                                                f"{' '.join(str(error).split())[:300]}")
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1]:
+        kind, line = outcome[1]
+        raise {"usage": UsageError, "retry": Retryable, "crash": RuntimeError}[kind](line)
+    return outcome[0]
+
+
+class StopSignals:
+    """A stop signal (STOP_SIGNALS: a scheduler's SIGTERM, SLURM's SIGUSR1 warning, Ctrl-C's SIGINT, a closed terminal's
+    SIGHUP, SIGQUIT) is recorded as ``received``; the ranks compare theirs about once a second of training (``due``,
+    ``proposal``, ``agree``) and all stop at the same step. A second, over a second later (not one signal sent to all,
+    which torchrun passes on too), ends the process: a thread watches, as a rank blocked in a collective can't."""
+
+    SECONDS = 1.0  # of training between two agreements: the most a stop waits, beyond the step under way
+
+    def __init__(self, rank, start_step):
+        self.rank, self.received = rank, 0
+        self.next_check, self.steps = start_step + 1, 1  # agree after the first step, then about once a second
+        self.clock = None  # (time, step) of the last agreement
         read, write = os.pipe()
         os.set_blocking(write, False)
         signal.set_wakeup_fd(write)  # the C-level handler writes each signal's number here, whatever Python does
@@ -81,11 +148,28 @@ class StopSignals:
                 if first is None:
                     first, self.received = time.monotonic(), number
                 elif time.monotonic() - first > 1:
-                    say(f"{signal.Signals(number).name} again: rank {dist.get_rank()} ends now, with no checkpoint", 0)
+                    say(f"{signal.Signals(number).name} again: rank {self.rank} ends now, with no checkpoint", 0)
                     os._exit(128 + number)
 
-    @staticmethod
-    def say_and_exit(number, step, total_steps, checkpoint_dir):  # exit code 128 + the signal: schedulers requeue the job
+    def due(self, step):  # the same answer on every rank: the step was agreed at the last agreement
+        return step >= self.next_check
+
+    def proposal(self, device):  # to all-reduce with MAX: [the signal received here or 0, -(steps to the next check)]
+        return torch.tensor([self.received, -self.steps], device=device)
+
+    def agree(self, agreed, step):
+        """The signal the ranks agreed on (0: none), after ``proposal``'s all-reduce. The next agreement comes after
+        the fewest steps any rank proposed; this rank proposes the steps of about SECONDS, by its clock since the last
+        (at most twice as many as now, so a slow start's fast steps are not overshot)."""
+        number, steps = (int(value) for value in agreed.tolist())
+        now = time.monotonic()
+        if self.clock and step > self.clock[1]:
+            seconds_per_step = max(now - self.clock[0], 1e-9) / (step - self.clock[1])
+            self.steps = int(max(1, min(2 * -steps, self.SECONDS / seconds_per_step, 1e6)))
+        self.clock, self.next_check = (now, step), step - steps
+        return number
+
+    def say_and_exit(self, number, step, total_steps, checkpoint_dir):  # 128 + the signal: schedulers requeue the job
         saved = (f"checkpoint step-{step} is in {checkpoint_dir}; the same command resumes there" if checkpoint_dir
                  else "nothing was saved (no --checkpoint-dir)")
         say(f"stopped by {signal.Signals(number).name} at step {step} of {total_steps}: {saved}")
@@ -101,60 +185,86 @@ class Checkpointer:
         self.layout = {"dataset": dataset_name, "world_size": dist.get_world_size(),
                        "global_batch_size": global_batch_size, "device": device.type}
 
-    def save(self, step, position, model, optimizer, peak_lr):
-        """Collective: all write their part into .tmp-step-<N>; rank 0 hashes, adds checkpoint.json, renames it."""
+    def save(self, step, position, model, optimizer, peak_lr, window_loss):
+        """Collective: the ranks agree that every weight, optimizer state and ``window_loss`` (the loss since the last
+        logging step) is finite, or refuse to save (``diverged``); all write their part into .tmp-step-<N>; rank 0
+        hashes, adds checkpoint.json, renames it."""
         final, temporary = (os.path.join(self.directory, f"{prefix}step-{step}") for prefix in ("", ".tmp-"))
         model_state, optimizer_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optimizer_state["state"],
                  "rng": {f"rank{dist.get_rank()}": self._random_states()}}
-        problem = [None]
+        local = [getattr(t, "_local_tensor", t) for t in tree_leaves(state) if torch.is_tensor(t)]
+        local = [t for t in local if t.is_floating_point()] + [window_loss]
+        finite = torch.stack([t.isfinite().all() for t in local]).all().to(self.device, torch.int32)  # one sync
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not finite:
+            raise self.diverged(step, "a weight, an optimizer state or the loss is not finite")
         try:
             dcp.save(state, checkpoint_id=temporary)  # raises on every rank if one rank's write fails
-            if dist.get_rank() == 0:  # dcp.save returns here once every rank's files and .metadata are written
+        except (OSError, RuntimeError, CheckpointException) as error:
+            raise self._not_written(step, temporary, error, state) from None
+
+        def finish():  # rank 0, once dcp.save has returned: every rank's files and .metadata are written
+            try:
                 files = {name: _fingerprint(os.path.join(temporary, name)) for name in sorted(os.listdir(temporary))}
                 save_json({"format": FORMAT, "layout": self.layout, "step": step, **position, "peak_lr": peak_lr,
                            "files": files}, os.path.join(temporary, "checkpoint.json"))
                 shutil.rmtree(final, ignore_errors=True)  # the same step saved before (a rerun)
                 os.replace(temporary, final)
-                for old in self._remove_strays_and_list_complete()[: -self.args.keep_checkpoints]:
-                    shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
-        except (OSError, RuntimeError, UsageError, CheckpointException) as error:  # a full disk, a read-only directory
-            cause = next(iter(getattr(error, "failures", {}).values()), [error])[0]  # DCP's: {rank: (error, trace)}
-            needed = sum(getattr(t, "_local_tensor", t).nbytes for t in tree_leaves(state) if torch.is_tensor(t))
-            why = cannot_write(temporary, cause, needed)
-            problem[0] = (f"checkpoint step-{step} was not written to {self.directory} ({why}): the ones saved "
-                          "before it are intact; fix that, and the same command resumes from them")
-            shutil.rmtree(temporary, ignore_errors=True)
-        dist.broadcast_object_list(problem, src=0)  # nobody exits or saves again before rank 0 is done
-        if problem[0]:
-            raise UsageError(problem[0])
+            except (OSError, UsageError) as error:
+                raise self._not_written(step, temporary, error, state) from None
+            for old in self._remove_strays_and_list_complete()[: -self.args.keep_checkpoints]:
+                shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
+
+        on_rank_0(finish, f"finishing checkpoint step-{step}")  # nobody exits or saves again before rank 0 is done
+
+    def _not_written(self, step, temporary, error, state):  # UsageError (the disk, its permissions) or Retryable
+        cause = next(iter(getattr(error, "failures", {}).values()), [error])[0]  # DCP's: {rank: (error, trace)}
+        needed = sum(getattr(t, "_local_tensor", t).nbytes for t in tree_leaves(state) if torch.is_tensor(t))
+        why = cannot_write(temporary, cause, needed)
+        shutil.rmtree(temporary, ignore_errors=True)
+        os_error = cause if isinstance(cause, OSError) else cause.__context__
+        if isinstance(error, UsageError) or (isinstance(os_error, OSError) and (
+                os_error.errno in USER_ERRNOS or why.startswith("the disk is full"))):
+            return UsageError(f"checkpoint step-{step} was not written to {self.directory} ({why}): the ones saved "
+                              "before it are intact; fix that, and the same command resumes from them")
+        return Retryable(f"checkpoint step-{step} was not written to {self.directory} ({why}); the ones saved "
+                         "before it are intact")
+
+    def diverged(self, step, what):
+        """The UsageError of a run that diverged at ``step``: it names the newest checkpoint, which is finite (save
+        refuses any other), so that a rerun with a lower lr goes on from there."""
+        if not self.directory:
+            saved = "nothing was saved: no --checkpoint-dir"
+        elif complete := self._list_complete():
+            saved = (f"nothing after {complete[-1]} was saved; the same command resumes from "
+                     f"{os.path.join(self.directory, complete[-1])}, which is finite, as every checkpoint is")
+        else:
+            saved = f"no checkpoint is in {self.directory}: a rerun starts from step 0"
+        return UsageError(f"{what} at step {step}: training diverged; lower --lr or raise --warmup-steps, or it "
+                          f"diverges again ({saved})")
 
     def _random_states(self):  # this rank's generators: the CPU's, and its GPU's when it trains on one
         return {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(self.device)}
                                                  if self.device.type == "cuda" else {})}
 
+    def _list_complete(self):  # the complete checkpoints' names, oldest first
+        names = os.listdir(self.directory) if self.directory and os.path.isdir(self.directory) else []
+        return sorted((n for n in names if n.startswith("step-") and n[5:].isdigit()), key=lambda n: int(n[5:]))
+
     def _remove_strays_and_list_complete(self):  # deletes crashed saves' .tmp-step-<N>; complete ones, oldest first
         names = os.listdir(self.directory) if self.directory and os.path.isdir(self.directory) else []
         for stray in (n for n in names if n.startswith(".tmp-step-")):
             shutil.rmtree(os.path.join(self.directory, stray), ignore_errors=True)
-        return sorted((n for n in names if n.startswith("step-") and n[5:].isdigit()), key=lambda n: int(n[5:]))
+        return self._list_complete()
 
     def check_outputs_and_resume(self, model, optimizer, peak_lr, log):
         """Collective: rank 0 checks that the outputs can be written and finds the newest intact checkpoint; every rank
         loads its part. Returns where training goes on: step, epoch, samples_into_epoch."""
-        verdict = [None]
-        if dist.get_rank() == 0:
-            try:
-                self._check_outputs()
-                verdict[0] = self._newest_intact(log)
-            except UsageError as refusal:  # raised on every rank, after the broadcast
-                verdict[0] = refusal
-        dist.broadcast_object_list(verdict, src=0)
-        if isinstance(verdict[0], UsageError):
-            raise verdict[0]
-        if verdict[0] is None:
+        found = on_rank_0(lambda: self._check_outputs() or self._newest_intact(log), "finding a checkpoint")
+        if found is None:
             return {"step": 0, "epoch": 0, "samples_into_epoch": 0}
-        path, info = verdict[0]
+        path, info = found
         model_state, optimizer_state = get_state_dict(model, optimizer)  # not before: it steps a fresh optimizer
         tensors = {"model": model_state, "optimizer": optimizer_state["state"]}
         if all(info["layout"].get(k) == self.layout[k] for k in ("world_size", "device")):  # random states: per rank
@@ -163,8 +273,13 @@ class Checkpointer:
             dcp.load(tensors, checkpoint_id=path)
         except (Exception, CheckpointException) as error:  # the same on every rank (not an Exception: a BaseException)
             cause = next(iter(getattr(error, "failures", {}).values()), [error])[0]  # {rank: (exception, traceback)}
-            raise UsageError(f"checkpoint {path} does not load into this run ({' '.join(str(cause).split())[:200]}): "
-                             "another model's? use another --checkpoint-dir; damaged? move it away") from None
+            # Its files match their SHA-256s: a name or a shape that this model lacks is another model's checkpoint,
+            # anything else (a peer lost, a collective's timeout) may pass on a retry.
+            if isinstance(cause, (ValueError, KeyError)) or str(cause).startswith("Missing key"):
+                raise UsageError(f"checkpoint {path} does not load into this run ({' '.join(str(cause).split())[:200]}"
+                                 "): another model's? use another --checkpoint-dir") from None
+            raise Retryable(f"checkpoint {path} was not loaded ({transient(cause) or type(cause).__name__}): it is "
+                            "intact (its SHA-256s match)") from None
         optimizer_state["state"] = tensors["optimizer"]
         set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=optimizer_state)
         for kind, state in tensors.get("rng", {}).get(f"rank{dist.get_rank()}", {}).items():
@@ -203,8 +318,7 @@ class Checkpointer:
             info, problem = _verify(path, self.layout)
             if problem is None:
                 for bad, why in damaged:
-                    aside = os.path.join(self.directory, "damaged-" + os.path.basename(bad))
-                    aside += f"-{len(os.listdir(self.directory))}" if os.path.exists(aside) else ""
+                    aside = _unused(os.path.join(self.directory, "damaged-" + os.path.basename(bad)))
                     os.replace(bad, aside)
                     log(f"checkpoint {bad} is damaged ({why}): moved it to {aside}; resuming from an older one")
                 return path, info
@@ -237,6 +351,15 @@ def _verify(path, layout):  # (checkpoint.json, None) if all files match it, or 
             return None, (f"{name} has {actual[0]} bytes, checkpoint.json says {expected[0]}"
                           if actual[0] != expected[0] else f"{name} does not match its SHA-256 in checkpoint.json")
     return info, None
+
+
+def _unused(path):  # path, or path-2, path-3, ...: the first that does not exist
+    taken = path
+    for number in range(2, 1_000_000):
+        if not os.path.lexists(taken):
+            return taken
+        taken = f"{path}-{number}"
+    raise UsageError(f"{path}: a million names like it are taken; move the damaged checkpoints away")
 
 
 def _fingerprint(path):  # [size in bytes, SHA-256] of a file, read in 1 MiB pieces

@@ -6,11 +6,15 @@ ChildFailedError traceback:
                   it before it could (another rank failed first), that line comes from the failed rank's error
                   file (plumbing/hardening.run writes it) and is printed here, by rank 0's node. Exit code 2, and
                   no restart: the same input would fail the same way (MAX_RESTARTS is for crashes).
+  a retry         a failure that may pass on a retry (a peer lost, a collective's error or timeout, an I/O error):
+                  the workers exit with code 75 and torchrun's restarts (MAX_RESTARTS) retry it; when none is left,
+                  the first failed rank's one line. Exit code 75.
   a crash         the first failed rank's traceback, once, from its error file (the ranks that failed after it,
                   because a peer had gone, are left out), then a line naming the rank. Exit code 1.
   a killed rank   one line: which rank, which signal (SIGKILL: often the kernel's out-of-memory killer). Exit 1.
-  a stop signal   SIGTERM, SIGINT, SIGHUP, SIGQUIT or SIGUSR1 (SLURM's warning; torch 2.9's torchrun dies of it):
-                  passed on to the workers, which say where they stopped; exit code 128 + the signal's number.
+  a stop signal   one of hardening.STOP_SIGNALS: SIGTERM, SIGINT, SIGUSR1 (SLURM's warning; torch 2.9's torchrun
+                  dies of it), SIGHUP, SIGQUIT: passed on to the workers, which stop together within about a second
+                  of training, write a checkpoint and say where; exit code 128 + the signal's number.
                   A rank that does not stop within torchrun's shutdown timeout (30 s) is named in one line before
                   it is killed; a second signal ends the launch at once, naming the ranks that had not stopped.
                   During start-up (torch still importing, no training yet) it is one line here instead of each
@@ -32,7 +36,8 @@ def stopped_during_start_up(number, frame):  # until torch is imported and torch
     os._exit(128 + number)  # not sys.exit: raised inside an import, importlib may swallow it; no worker exists yet
 
 
-for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+# hardening.STOP_SIGNALS, which cannot be imported before torch is (tests/test_launch.py checks they are the same)
+for number in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT):
     signal.signal(number, stopped_during_start_up)
 
 import glob  # noqa: E402  (the handlers above come first: importing torch takes seconds)
@@ -50,6 +55,9 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import Subproc
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError  # noqa: E402
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler  # noqa: E402
 from torch.distributed.run import parse_args, run  # noqa: E402  (not main(): its @record would log the failure again)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the folder that holds plumbing/
+from plumbing.hardening import RETRY_EXIT, STOP_SIGNALS  # noqa: E402
 
 stopping = {}  # pid: (rank, when, training) of each worker torchrun signalled to stop (a stop, or a failed peer)
 received = []  # the stop signals this launch received
@@ -130,6 +138,9 @@ def ending(failures):
               file=sys.stderr)
         return 1
     rank, failure = min(failures.items(), key=lambda item: note(item[1]).get("time", math.inf))
+    if note(failure).get("exit_code") == RETRY_EXIT:  # a peer lost, a collective's timeout: its one line
+        print(note(failure)["message"], file=sys.stderr)
+        return RETRY_EXIT
     if note(failure):
         print(note(failure)["message"], file=sys.stderr)
     print(f"error: rank {rank} (pid {failure.pid}){where} failed with exit code {failure.exitcode}"
@@ -191,7 +202,7 @@ def main():
     elastic_api._terminate_process_handler = on_signal  # what torchrun installs when it starts the workers
     SubprocessHandler.close, elastic_api.SubprocessContext._close = close, close_workers
     LocalElasticAgent._monitor_workers, DynamicRendezvousHandler.next_rendezvous = monitor, next_rendezvous
-    for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
+    for number in STOP_SIGNALS:
         signal.signal(number, on_signal)
     try:
         run(parse_args(sys.argv[1:]))
