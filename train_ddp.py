@@ -170,8 +170,8 @@ def main():
                     for buffer in model.buffers():  # each rank's own running statistics: rank 0's are saved
                         dist.broadcast(buffer, src=0)
                     position = {"epoch": epoch, "samples_into_epoch": (step_in_epoch + 1) * global_batch_size}
-                    # collective: all ranks; it refuses weights or a loss that are not finite
-                    checkpointer.save(progress.step, position, model, optimizer, peak_lr, window_loss)
+                    checkpointer.save(  # collective: all ranks; it refuses weights or a loss that are not finite
+                        progress.step, position, model, optimizer, peak_lr, window_loss)
                 if stop_signal and not last_step:  # at the last step it just finishes
                     stop.say_and_exit(stop_signal, progress.step, total_steps, args.checkpoint_dir)
 
@@ -194,8 +194,9 @@ def main():
         progress.close()  # the bar's last state stays on the screen
 
         # ---- save: rank 0 writes the plain model's weights (not the wrapper's: no "module." prefix) ----
-        if args.save:  # collective: whatever rank 0's write raises, every rank raises it
-            hardening.on_rank_0(lambda: core.save_state_dict(model.state_dict(), args.save), "writing --save")
+        if args.save:
+            hardening.on_rank_0(  # collective: whatever rank 0's write raises, every rank raises it
+                lambda: core.save_state_dict(model.state_dict(), args.save), "writing --save")
             log(f"saved the weights to {args.save}")
         if args.metrics:  # every rank sends what it holds to rank 0, which writes the summary
             ranks = [None] * world_size

@@ -275,8 +275,8 @@ def main():
                     for buffer in model.buffers():  # each replica's own running statistics: replica 0's are saved
                         dist.broadcast(buffer, group=mesh.get_group("dp"), group_src=0)
                     position = {"epoch": epoch, "samples_into_epoch": (step_in_epoch + 1) * global_batch_size}
-                    # collective: all ranks; it refuses weights or a loss that are not finite
-                    checkpointer.save(progress.step, position, model, optimizer, peak_lr, window_loss)
+                    checkpointer.save(  # collective: all ranks; it refuses weights or a loss that are not finite
+                        progress.step, position, model, optimizer, peak_lr, window_loss)
                 if stop_signal and not last_step:  # at the last step it just finishes
                     stop.say_and_exit(stop_signal, progress.step, total_steps, args.checkpoint_dir)
 

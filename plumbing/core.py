@@ -101,7 +101,8 @@ def parser(description, *more):  # the flags all three scripts share, then those
     add("--compile", action="store_true", help="torch.compile: train_ddp.py the model, train_fsdp.py each block")
     add("--seed", type=int, default=0, help="same initial weights and data order on every rank")
     add("--workers", type=number(int, 0), default=0, help="DataLoader processes per rank (none: in the rank itself)")
-    add("--log-every", type=number(int, 1), default=20, help="optimizer steps between all-reduced loss readings")
+    add("--log-every", type=number(int, 1), default=20, help="optimizer steps between all-reduced loss readings "
+        "(a stop signal is honoured within about a second of training, whatever this is)")
     add("--no-eval", action="store_true", help="skip the test-set evaluation after each epoch (for measurements)")
     add("--checkpoint-dir", metavar="DIR", help="save checkpoints here, and resume from the newest one found there")
     add("--checkpoint-every", type=number(int, 1), default=100, help="steps between checkpoints (and one at the end)")
