@@ -113,7 +113,7 @@ class Step:
         for launch in self.running:
             launch.kill()
             self.row(launch.check, show(launch.argv, self.out), "timed out",
-                     f"killed when the step's {self.budget} s ran out")
+                     f"killed: the step's {self.budget} s ran out, or the check was stopped")
         sys.exit(124)
 
     def left(self):

@@ -36,7 +36,7 @@ out="$(cd "$1" && pwd)"
 
 # name:seconds. The budgets sum to 525 s; with each step's start and the summary, under 9 minutes.
 steps=(env:15 pytest:160 quick:90 speed:120 gpt:40 bf16:50 resume:50)
-total=535  # no step starts past this: a late one gets what is left
+total=530  # no step starts past this, a late one gets what is left: with kill-after, under 540
 # A rerun into the same directory starts afresh: an old checkpoint would make step 6 resume at once.
 rm -rf "$out/runs" "$out/logs" "$out"/{steps.tsv,machine.json,verify.json,pytest.xml,summary.*}
 for entry in "${steps[@]}"; do rm -f "$out/${entry%%:*}.json"; done
