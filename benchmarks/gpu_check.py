@@ -119,16 +119,17 @@ class Step:
     def left(self):
         return self.deadline - time.monotonic()
 
-    def start(self, name, check, argv, env=None):
-        """Start ``argv`` in the repository, its output in OUT/logs/NAME.log; dry: pretend."""
+    def start(self, name, check, argv, env=None, always=False):
+        """Start ``argv`` in the repository, its output in OUT/logs/NAME.log; in a dry run, pretend,
+        unless it runs ``always`` (it needs no GPU)."""
         argv = [str(a) for a in argv]
         self.commands.append({"argv": argv, "env": env or {}})
         log = self.out / "logs" / f"{name}.log"
-        if not self.dry and self.left() < 1:  # its time is spent: not started at all
+        if (always or not self.dry) and self.left() < 1:  # its time is spent: not started
             launch = Launch(name, check, argv, None, log)
             launch.timed_out = True
             return launch
-        if self.dry:
+        if self.dry and not always:
             log.write_text(pretend(argv))
             launch = Launch(name, check, argv, None, log)
             launch.returncode = 0
@@ -155,8 +156,8 @@ class Step:
         launch.seconds = time.monotonic() - launch.started
         return launch
 
-    def run(self, name, check, argv, env=None):
-        return self.wait(self.start(name, check, argv, env))
+    def run(self, name, check, argv, env=None, always=False):
+        return self.wait(self.start(name, check, argv, env, always))
 
     def failed(self, launch, expect=None):
         """A row for a launch that timed out, failed or lacks ``expect`` in its output, or None."""
@@ -351,7 +352,7 @@ def step_speed(step):
 def step_gpt(step):
     """The transformer rung (issue 43) against nanoGPT's validation loss, once a script has it."""
     check = f"GPT at nanoGPT's size against its {NANOGPT_LOSS}"
-    helped = step.run("gpt-help", check, [PYTHON, "train_ddp.py", "--help"])
+    helped = step.run("gpt-help", check, [PYTHON, "train_ddp.py", "--help"], always=True)
     if step.failed(helped):
         return
     if not (re.search(r"--model\b", helped.output) and re.search(r"\bgpt\b", helped.output)):

@@ -47,9 +47,10 @@ def test_the_dry_run_lists_every_step_and_every_command_parses(tmp_path):
     assert f"dry run: {len(commands)} commands checked, 0 problem(s)" in run.output
 
 
-def test_a_flag_a_script_lost_fails_the_dry_run_and_is_named(tmp_path):
-    # The negative control: a copy of the project whose shared parser renamed --no-eval, a flag the
-    # speed step passes to train_ddp.py.
+def test_a_copy_whose_scripts_changed_fails_the_dry_run_or_runs_more(tmp_path):
+    # A copy of the project with two changes. The negative control: its shared parser renamed
+    # --no-eval, a flag the speed step passes to train_ddp.py. And train_ddp.py has --model gpt, as
+    # the transformer rung (issue 43) may add it: the check must then run it, not say it is absent.
     copy = tmp_path / "copy"
     for folder in ("plumbing", "models", "benchmarks"):  # what the check reads, not the data
         shutil.copytree(ROOT / folder, copy / folder,
@@ -57,15 +58,23 @@ def test_a_flag_a_script_lost_fails_the_dry_run_and_is_named(tmp_path):
     for path in [*ROOT.glob("*.py"), *ROOT.glob("*.sh"), ROOT / "tests" / "test_gpu.py"]:
         (copy / path.relative_to(ROOT)).parent.mkdir(exist_ok=True)
         shutil.copy2(path, copy / path.relative_to(ROOT))
-    core = copy / "plumbing" / "core.py"
-    assert core.read_text().count('add("--no-eval"') == 1
-    core.write_text(core.read_text().replace('add("--no-eval"', 'add("--skip-eval"'))
+    edit(copy / "plumbing" / "core.py", 'add("--no-eval"', 'add("--skip-eval"')
+    parser = "    parser = core.parser(__doc__.splitlines()[0], data.add_arguments)\n"
+    edit(copy / "train_ddp.py", parser,
+         parser + '    parser.add_argument("--model", choices=("cnn", "gpt"), default="cnn")\n')
     run = dry_run(copy, tmp_path / "out")
     assert run.returncode == 1, run.output[-3000:]
     assert "train_ddp.py has no flag --no-eval" in run.output, run.output[-3000:]
     problems = json.loads((tmp_path / "out" / "verify.json").read_text())["problems"]
     assert problems and all("has no flag --no-eval" in p for p in problems), problems
-    assert f"{len(problems)} problem(s)" in (tmp_path / "out" / "summary.md").read_text()
+    table = (tmp_path / "out" / "summary.md").read_text()
+    assert f"{len(problems)} problem(s)" in table
+    assert "no transformer rung" not in table and "`python3 train_ddp.py --model gpt " in table
+
+
+def edit(path, old, new):
+    assert path.read_text().count(old) == 1, old
+    path.write_text(path.read_text().replace(old, new))
 
 
 def test_the_dry_runs_stand_in_metrics_have_the_real_ones_shape(reference_metrics, tmp_path):
