@@ -248,9 +248,12 @@ def step_env(step):
         if not torch.cuda.is_available():
             sys.exit("error: torch sees no CUDA GPU (torch.cuda.is_available() is False): run it "
                      "on a machine with an NVIDIA GPU, or check its commands with --dry-run")
-        env.update(torch=torch.__version__, cuda=torch.version.cuda,
-                   gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
-                   cudnn=torch.backends.cudnn.version())
+        try:
+            env.update(torch=torch.__version__, cuda=torch.version.cuda,
+                       gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
+                       cudnn=torch.backends.cudnn.version())
+        except RuntimeError as error:  # a driver too old for this torch's CUDA, say
+            sys.exit(f"error: CUDA does not start: {' '.join(str(error).split())[:300]}")
     (step.out / "machine.json").write_text(json.dumps(env, indent=2) + "\n")
     step.save()
 
@@ -322,11 +325,10 @@ def step_speed(step):
         bare = step.run(f"speed-bare-{batch}", f"bare loop, batch {batch}",
                         [PYTHON, "benchmarks/bare_loop.py", "--device", "cuda",
                          "--steps", SPEED_STEPS, "--batch-size", batch])
-        if step.failed(bare):
-            continue
-        bare_rate = json.loads(bare.output.strip().splitlines()[-1])["samples_per_second"]
-        step.row(bare.check, show(bare.argv, step.out), "ok", rate(bare_rate), bare.seconds)
-        eager = None
+        bare_rate = eager = None  # without the bare loop's figure, train_ddp.py's still count
+        if not step.failed(bare):
+            bare_rate = json.loads(bare.output.strip().splitlines()[-1])["samples_per_second"]
+            step.row(bare.check, show(bare.argv, step.out), "ok", rate(bare_rate), bare.seconds)
         for label in ("eager", "--compile"):
             name = f"speed-{label.strip('-')}-{batch}"
             metrics = step.out / "runs" / f"{name}.json"
@@ -342,7 +344,8 @@ def step_speed(step):
             figures = f"{rate(steady)} steady ({rate(m['samples_per_second'])} whole run)"
             if steady and label == "eager":
                 eager = steady
-                figures += f"; {steady / bare_rate:.2f} × the bare loop (target ≥ 0.95)"
+                if bare_rate:
+                    figures += f"; {steady / bare_rate:.2f} × the bare loop (target ≥ 0.95)"
             elif steady and eager:
                 target = " (target ≥ 1.6)" if batch == 512 else ""
                 figures += f"; {steady / eager:.2f} × eager{target}"
@@ -443,8 +446,10 @@ def step_resume(step):
 
     def apart(a, b):  # (bitwise equal?, the largest difference of any weight)
         x, y = (torch.load(step.out / "runs" / f"{n}.pt", weights_only=True) for n in (a, b))
+        if x.keys() != y.keys():
+            return False, float("inf")
         differences = [(x[k].double() - y[k].double()).abs().max().item() for k in x]
-        return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), max(differences)
+        return all(torch.equal(x[k], y[k]) for k in x), max(differences)
     same, difference = apart("stopped", "never")
     repeats, noise = apart("again", "never")
     repeat = "a repeat of the run never stopped is bitwise equal to it" if repeats else \
