@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The GPU check: the project's GPU claims measured again on one NVIDIA GPU, in at most 9 minutes.
+#
+#   bash benchmarks/gpu_check.sh OUT            # with a GPU: OUT/summary.md, raw JSON, logs
+#   bash benchmarks/gpu_check.sh --dry-run OUT  # anywhere: runs nothing; every command must parse
+#
+# It needs only the torch already installed (and pytest, pytest-xdist, pytest-timeout for step 1)
+# and reads only the bundled data (models/mnist/): no network. Steps, in order of value, each under
+# its own timeout (seconds), so that a hang in one leaves the others' results:
+#   env     15   torch, CUDA, the GPU, the commit, the date (no GPU: one error line, exit code 2)
+#   pytest 160   python -m pytest tests/test_gpu.py
+#   quick   90   each script's quick start through its run_*.sh, one process (NCCL, one rank)
+#   speed  120   train_ddp.py eager and --compile against the bare loop, batch 64 and 512
+#   gpt     40   the transformer rung against nanoGPT's 1.4697, where the scripts have it
+#   bf16    50   train_ddp.py in bf16 against fp32 on MNIST: samples/s, loss, accuracy
+#   resume  50   SIGTERM mid-run through the launcher, the same command again, weights compared
+# PYTHON: the interpreter that has torch (default python3, as launch.sh runs). Exit code: 0 when
+# every step ran and passed, 1 when one failed or timed out (summary.md says which), 2 when the
+# check cannot start. In a dry run: 1 when a command would not start (each is named).
+set -uo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+dry=""
+if [ "${1:-}" = --dry-run ]; then dry=--dry-run; shift; fi
+if [ $# -ne 1 ] || [[ $1 == -* ]]; then
+    echo "error: usage: bash benchmarks/gpu_check.sh [--dry-run] OUT (the results' directory)" >&2
+    exit 2
+fi
+python=${PYTHON:-python3}
+if ! command -v timeout > /dev/null; then
+    echo "error: the GPU check needs GNU timeout (coreutils) to bound each step" >&2
+    exit 2
+fi
+mkdir -p "$1" || exit 2
+out="$(cd "$1" && pwd)"
+
+# name:seconds. The budgets sum to 525 s; with each step's start and the summary, under 9 minutes.
+steps=(env:15 pytest:160 quick:90 speed:120 gpt:40 bf16:50 resume:50)
+total=530  # no step starts past this, a late one gets what is left: with kill-after, under 540
+# A rerun into the same directory starts afresh: an old checkpoint would make step 6 resume at once.
+rm -rf "$out/runs" "$out/logs" "$out"/{steps.tsv,machine.json,verify.json,pytest.xml,summary.*}
+for entry in "${steps[@]}"; do rm -f "$out/${entry%%:*}.json"; done
+
+child=""
+# Ctrl-C or a SIGTERM reaches this shell only: timeout runs each step in a process group of its own.
+stop() {
+    if [ -n "$child" ]; then kill -TERM "$child" 2> /dev/null; wait "$child"; fi
+    exit 130
+}
+trap stop INT TERM
+for entry in "${steps[@]}"; do
+    name=${entry%%:*}
+    budget=${entry#*:}
+    left=$((total - SECONDS))
+    if ((budget > left)); then budget=$left; fi
+    if ((budget < 10)); then
+        printf '%s\tskipped\t0\t0\n' "$name" >> "$out/steps.tsv"
+        continue
+    fi
+    echo "gpu_check: $name (at most $budget s)"
+    began=$SECONDS
+    # In the background, waited for: the trap above runs at once on a signal, not after the step.
+    timeout -k 5 "$budget" "$python" "$here/gpu_check.py" step "$name" "$out" \
+        --budget "$budget" $dry &
+    child=$!
+    wait "$child"
+    code=$?
+    child=""
+    printf '%s\t%s\t%s\t%s\n' "$name" "$code" "$budget" "$((SECONDS - began))" >> "$out/steps.tsv"
+    if [ "$name" = env ] && [ "$code" -ne 0 ]; then exit 2; fi  # it said why, in one line
+done
+
+verified=0
+if [ -n "$dry" ]; then
+    "$python" "$here/gpu_check.py" verify "$out"
+    verified=$?
+fi
+"$python" "$here/gpu_check.py" summary "$out" $dry
+summarised=$?
+echo "gpu_check: wrote $out/summary.md in $SECONDS s"
+if [ "$verified" -ne 0 ] || [ "$summarised" -ne 0 ]; then exit 1; fi
