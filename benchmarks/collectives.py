@@ -58,6 +58,7 @@ def parse():
                         help="measure nothing: refit the points already in --out's JSON, rewrite it and the plot")
     parser.add_argument("--out", help="where collectives.json goes; default benchmarks/results (--quick: a temporary folder)")
     parser.add_argument("--plot", help="default docs/images/collectives.png (--quick: beside the JSON)")
+    parser.add_argument("--metrics", help="write the report's JSON here too (the docs' exercises)")
     args = parser.parse_args()
     quick = args.quick
     defaults = dict(world_sizes=[2] if quick else [2, 4], max_bytes=4 << 20 if quick else 64 << 20,
@@ -349,6 +350,8 @@ def main():
         report["nccl"] = "not measured: this run had no GPU; python benchmarks/collectives.py --device cuda on one"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.metrics:
+        Path(args.metrics).write_text(json.dumps(report, indent=2) + "\n")
     plot(report, args.plot)
     print(table(report))
     print(f"wrote {args.json} and {args.plot}")

@@ -1,7 +1,7 @@
 """Seconds per microbatch (forward + backward) of each pipeline stage of BabyCNN, on one thread:
 the t_stage of the ideal pipeline step time (m + p - 1) x t_stage. Prints a JSON line.
 
-    OMP_NUM_THREADS=1 python benchmarks/stage_time.py --stages 2 --microbatch 16
+    python benchmarks/stage_time.py --stages 2 --microbatch 16 [--metrics stages.json]
 """
 
 import argparse
@@ -21,7 +21,9 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--stages", type=int, default=2)
 parser.add_argument("--microbatch", type=int, default=8)
 parser.add_argument("--repeats", type=int, default=50)
+parser.add_argument("--metrics", help="write the JSON line to this file too (the docs' exercises)")
 args = parser.parse_args()
+torch.set_num_threads(1)  # as each process of the pipeline runs: one thread
 
 model = BabyCNN()
 x = torch.randn(args.microbatch, 1, 28, 28)
@@ -36,4 +38,8 @@ for blocks in balanced_stages(block_flops(model, x[:1]), args.stages):
         output.backward(torch.ones_like(output))
     seconds.append((time.perf_counter() - start) / args.repeats)
     x = stage(x).detach()  # the next stage's input
-print(json.dumps({"seconds_per_microbatch": seconds}))
+result = json.dumps({"stages": args.stages, "microbatch": args.microbatch,
+                     "seconds_per_microbatch": seconds})
+print(result)
+if args.metrics:
+    Path(args.metrics).write_text(result + "\n")

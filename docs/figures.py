@@ -15,6 +15,14 @@ the pipeline schedules included, is drawn from measured runs by docs/timelines.p
                           simulation's result equals a real dist.all_reduce before drawing it
   device_mesh.png         how init_device_mesh lays train_pippy.py's (pp, dp) and train_fsdp.py's
                           (replicate, shard) meshes over 2 nodes x 2 processes
+  tp_pair.png             a column-wise then row-wise pair of train_tp.py on 2 TP ranks, f and g:
+                          the shapes its tensor_parallel() gives BabyCNN's block 2, and what a
+                          forward records going in and out of each convolution
+  overlap.png             what overlap buys, as a model (not a measurement): DDP's bucket
+                          all-reduces and FSDP's all-gathers and reduce-scatters beside the compute
+                          of the measured CPU timelines (docs/images/timelines.json), each
+                          collective t = α + n·β from the gloo fit (benchmarks/results/
+                          collectives.json); once taking turns, once on a stream of its own
 
 figures.json, written next to the PNGs, holds the exact data each picture draws. tests/test_figures.py
 regenerates it and compares it with the committed one: PNG bytes differ between matplotlib and freetype
@@ -47,6 +55,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from models import BabyCNN  # noqa: E402
+from train_tp import tensor_parallel  # noqa: E402  the script's own split
+
+TIMELINES = ROOT / "docs" / "images" / "timelines.json"  # measured compute: docs/timelines.py
+COLLECTIVES = ROOT / "benchmarks" / "results" / "collectives.json"  # the α–β fits
 
 WORLD = 4  # gloo processes: 2 pipeline ranks x 2 replicas, 4 FSDP shards, 2 nodes x 2 processes, 4 ring ranks
 PIPELINE_RANKS = 2  # train_pippy.py --data-parallel 2 on 4 processes
@@ -55,6 +67,7 @@ SAMPLER_PANELS = ((2, True), (4, True), (4, False))  # (ranks, drop_last)
 DPI = 100
 RANK_COLOURS = ["#4477aa", "#ee6677", "#228833", "#ccbb44"]  # Paul Tol's colour-blind-safe set
 IDLE = "#eeeeee"
+TP_BLOCK, TP_BATCH = 2, 4  # the pair drawn: block 2 (conv1 16 -> 32 channels, conv2 32 -> 32)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -85,6 +98,44 @@ def shard_rows(mesh, rank):
     return parameters
 
 
+def tp_pair(tp_mesh):
+    """train_tp.py's tensor_parallel() on BabyCNN over this rank's TP group, then one forward: the
+    whole and local shapes of block TP_BLOCK's two convolutions, their placements, and what goes
+    into and out of each."""
+    model = BabyCNN()
+    tensor_parallel(model, tp_mesh)
+    block, seen = model.blocks[TP_BLOCK], {}
+
+    def record(name):
+        def hook(module, inputs, output):  # returns None: the output stays as it is
+            seen[name] = (list(inputs[0].shape), list(output.shape))
+
+        return hook
+
+    hooks = [
+        getattr(block, name).register_forward_hook(record(name)) for name in ("conv1", "conv2")
+    ]
+    torch.manual_seed(0)  # the same images on every rank: a TP group's ranks see the same batch
+    with torch.no_grad():
+        model(torch.randn(TP_BATCH, 1, 28, 28))
+    for hook in hooks:
+        hook.remove()
+    layers = {}
+    for name in ("conv1", "conv2"):
+        conv = getattr(block, name)
+        layers[name] = dict(
+            weight=list(conv.weight.shape),
+            weight_local=list(conv.weight.to_local().shape),
+            weight_placement=str(conv.weight.placements[0]),
+            bias=list(conv.bias.shape),
+            bias_local=list(conv.bias.to_local().shape),
+            bias_placement=str(conv.bias.placements[0]),
+            input=seen[name][0],
+            output=seen[name][1],
+        )
+    return dict(tp_rank=tp_mesh.get_local_rank(), layers=layers)
+
+
 def ring_inputs(world):
     """Rank r's tensor in the ring picture: 8 elements (4 chunks of 2), (r + 1) x [1 .. 8]."""
     return [(rank + 1) * torch.arange(1.0, 9.0) for rank in range(world)]
@@ -100,6 +151,8 @@ def worker(rank, world, init_file, result_file):
         pp_mesh = init_device_mesh("cpu", (world // PIPELINE_RANKS, PIPELINE_RANKS), mesh_dim_names=("pp", "dp"))
         full_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
         hybrid_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        # train_tp.py's (dp, tp) mesh: TP groups of 2 neighbouring ranks
+        tp_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]
         reduced = ring_inputs(world)[rank].clone()
         dist.all_reduce(reduced)  # the real thing the ring picture must agree with (gloo picks its own algorithm)
         mine = dict(
@@ -111,6 +164,7 @@ def worker(rank, world, init_file, result_file):
                                         for dim in mesh.mesh_dim_names})
                     for label, mesh in (("pipeline", pp_mesh), ("hybrid", hybrid_mesh))},
             all_reduce=reduced.tolist(),
+            tp_pair=tp_pair(tp_mesh),
         )
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
@@ -218,6 +272,180 @@ def mesh_data(records):
                              coordinates=[records[r]["meshes"][label]["coordinate"] for r in range(len(records))],
                              groups=[records[r]["meshes"][label]["groups"] for r in range(len(records))])
     return dict(png="device_mesh.png", nodes=2, processes_per_node=len(records) // 2, meshes=meshes)
+
+
+def tp_data(records):
+    """The pair as TP group 0 (ranks 0 and 1) holds it; the other group's must be the same."""
+    group = [records[0]["tp_pair"], records[1]["tp_pair"]]
+    if [g["tp_rank"] for g in group] != [0, 1] or any(
+        r["tp_pair"]["layers"] != group[0]["layers"] for r in records
+    ):
+        raise AssertionError(
+            f"the TP ranks do not hold the same shapes: {[r['tp_pair'] for r in records]}"
+        )
+    return dict(png="tp_pair.png", tp=2, block=TP_BLOCK, batch=TP_BATCH, layers=group[0]["layers"])
+
+
+def alpha_beta(fits, name):
+    """(α in ms, β in ms a byte) of a collective on 2 gloo ranks."""
+    entry = next(e for e in fits["results"] if e["world_size"] == 2)["collectives"][name]
+    return entry["alpha_s"] * 1e3, entry["beta_s_per_byte"] * 1e3
+
+
+def schedule(actions, overlap):
+    """Lay out actions [(lane, label, duration_ms, needs)], in program order, on a compute and a
+    comm lane.
+
+    needs: the labels that must be done before the action starts. Compute runs in order. A
+    collective is issued when the compute before it in program order has started (overlap: it runs
+    beside that compute) or has ended (taking turns: nothing runs beside it); the comm lane runs one
+    collective at a time, in the order issued."""
+    done, placed, free = {}, [], {"compute": 0.0, "comm": 0.0}
+    last_compute = None  # (start, end) of the compute action before this one in program order
+    for lane, label, duration, needs in actions:
+        ready = max([done[n] for n in needs], default=0.0)
+        if lane == "comm":
+            issued = 0.0 if last_compute is None else last_compute[0 if overlap else 1]
+            start = max(ready, issued, free["comm"])
+            if not overlap:
+                start = max(start, free["compute"])
+        else:
+            start = max(ready, free["compute"])
+            if not overlap:
+                start = max(start, free["comm"])
+            last_compute = (start, start + duration)
+        placed.append(
+            dict(lane=lane, label=label, start=round(start, 3), end=round(start + duration, 3))
+        )
+        done[label] = start + duration
+        free[lane] = start + duration
+    return placed
+
+
+def overlap_data():
+    """DDP's three buckets (bucket_cap_mb=0.05) in backward, and an FSDP step (--sharding full,
+    width 8): compute from the measured timelines, collectives from the α–β fits, laid out taking
+    turns and overlapped."""
+    timelines, fits = json.loads(TIMELINES.read_text()), json.loads(COLLECTIVES.read_text())
+
+    def durations(events):  # rank 0's compute actions, in ms
+        return {
+            name: end - start
+            for name, start, end in events
+            if name.startswith(("forward", "backward"))
+        }
+
+    ddp_run = timelines["ddp"]["runs"]["0.05"]
+    ddp_compute = durations(ddp_run["times"]["events"][0])
+    alpha, beta = alpha_beta(fits, "all_reduce")
+    ready_after = {
+        b["index"]: f"backward {b['parameters'][-1].rsplit('.', 2)[0]}" for b in ddp_run["buckets"]
+    }
+    ddp_actions = []
+    for block in (3, 2, 1, 0):
+        ddp_actions.append(
+            ("compute", f"backward blocks.{block}", ddp_compute[f"backward blocks.{block}"], [])
+        )
+        for bucket in ddp_run[
+            "buckets"
+        ]:  # a bucket's all-reduce follows the backward that fills it
+            if ready_after[bucket["index"]] == f"backward blocks.{block}":
+                ddp_actions.append(
+                    (
+                        "comm",
+                        f"all-reduce bucket {bucket['index']}",
+                        alpha + bucket["bytes"] * beta,
+                        [f"backward blocks.{block}"],
+                    )
+                )
+    ddp_bytes = {f"all-reduce bucket {b['index']}": b["bytes"] for b in ddp_run["buckets"]}
+
+    fsdp = timelines["fsdp"]
+    fsdp_compute = durations(fsdp["shardings"]["full"]["times"]["events"][0])
+    model = BabyCNN(width=fsdp["width"])
+    block_bytes = {
+        i: sum(p.numel() * p.element_size() for p in block.parameters())
+        for i, block in enumerate(model.blocks)
+    }
+    gather, scatter = alpha_beta(fits, "all_gather"), alpha_beta(fits, "reduce_scatter")
+    last = len(model.blocks) - 1
+
+    def ag(block, again=""):
+        return (
+            "comm",
+            f"all-gather blocks.{block}{again}",
+            gather[0] + block_bytes[block] * gather[1],
+            [],
+        )
+
+    fsdp_actions = [ag(0)]
+    for block in range(
+        last + 1
+    ):  # forward: the next block's gather is issued as this block computes
+        fsdp_actions.append(
+            (
+                "compute",
+                f"forward blocks.{block}",
+                fsdp_compute[f"forward blocks.{block}"],
+                [f"all-gather blocks.{block}"],
+            )
+        )
+        if block < last:
+            fsdp_actions.append(ag(block + 1))
+    for block in range(
+        last, -1, -1
+    ):  # backward: the block (the last kept its weights), the next block's gather
+        needs = (
+            [] if block == last else [f"all-gather blocks.{block} again"]
+        )  # issued as it computes, its RS
+        fsdp_actions.append(
+            ("compute", f"backward blocks.{block}", fsdp_compute[f"backward blocks.{block}"], needs)
+        )
+        if block > 0:
+            fsdp_actions.append(ag(block - 1, " again"))
+        fsdp_actions.append(
+            (
+                "comm",
+                f"reduce-scatter blocks.{block}",
+                scatter[0] + block_bytes[block] * scatter[1],
+                [f"backward blocks.{block}"],
+            )
+        )
+    fsdp_bytes = {
+        label: block_bytes[int(label.split("blocks.")[1].split()[0])]
+        for _, label, _, _ in fsdp_actions
+        if not label.startswith(("forward", "backward"))
+    }
+
+    panels = {}
+    for key, title, actions, sizes, fit in (
+        (
+            "ddp",
+            "DDP, bucket_cap_mb=0.05: backward and its three bucket all-reduces (2 ranks)",
+            ddp_actions,
+            ddp_bytes,
+            {"all_reduce": [alpha, beta]},
+        ),
+        (
+            "fsdp",
+            f"FSDP --sharding full, width {fsdp['width']}: a whole step (2 ranks)",
+            fsdp_actions,
+            fsdp_bytes,
+            {"all_gather": list(gather), "reduce_scatter": list(scatter)},
+        ),
+    ):
+        runs = {
+            mode: schedule(actions, overlap=mode == "overlapped")
+            for mode in ("taking turns", "overlapped")
+        }
+        panels[key] = dict(
+            title=title,
+            bytes=sizes,
+            fit_ms=fit,
+            runs=runs,
+            step_ms={mode: max(a["end"] for a in run) for mode, run in runs.items()},
+        )
+    return dict(png="overlap.png", model=True, panels=panels)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -452,6 +680,221 @@ def draw_mesh(data, path):
     save(fig, path)
 
 
+def box(ax, x, y, width, height, text, face, fontsize=9, **options):
+    ax.add_patch(
+        Rectangle((x, y), width, height, facecolor=face, edgecolor="black", linewidth=1, **options)
+    )
+    ax.text(
+        x + width / 2,
+        y + height / 2,
+        text,
+        ha="center",
+        va="center",
+        fontsize=fontsize,
+        color=ink(face),
+    )
+
+
+def arrow(ax, start, end, text="", **options):
+    ax.annotate(
+        "", xy=end, xytext=start, arrowprops=dict(arrowstyle="->", linewidth=1.2, **options)
+    )
+    if text:
+        ax.text(
+            (start[0] + end[0]) / 2,
+            (start[1] + end[1]) / 2 - 0.12,
+            text,
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+
+
+def draw_tp(data, path):
+    conv1, conv2 = data["layers"]["conv1"], data["layers"]["conv2"]
+    fig, ax = figure((14, 5.6))
+
+    def shape(s):
+        return "×".join(map(str, s))
+
+    collective = "#ccbb44"
+    for rank in range(data["tp"]):
+        y = 2.3 - 2.3 * rank  # rank 0 on top
+        colour = RANK_COLOURS[rank]
+        ax.text(
+            -0.35,
+            y + 0.4,
+            f"rank {rank}",
+            ha="right",
+            va="center",
+            fontsize=11,
+            fontweight="bold",
+            color=colour,
+        )
+        box(ax, 0, y, 1.6, 0.8, f"x, whole\n{shape(conv1['input'])}", lighter(colour, 0.7))
+        box(ax, 2.1, y, 0.7, 0.8, "f", collective, fontsize=12)
+        lo, hi = rank * conv1["weight_local"][0], (rank + 1) * conv1["weight_local"][0]
+        box(
+            ax,
+            3.3,
+            y,
+            2.2,
+            0.8,
+            f"conv1, column-wise\nweight {shape(conv1['weight_local'])}\n"
+            f"out channels {lo}–{hi - 1}, {conv1['weight_placement']}",
+            colour,
+        )
+        box(ax, 6.0, y, 1.7, 0.8, f"its channels\n{shape(conv1['output'])}", lighter(colour, 0.7))
+        box(
+            ax,
+            8.2,
+            y,
+            2.2,
+            0.8,
+            f"conv2, row-wise\nweight {shape(conv2['weight_local'])}\n"
+            f"in channels {lo}–{hi - 1}, {conv2['weight_placement']}",
+            colour,
+        )
+        box(ax, 10.9, y, 1.7, 0.8, f"partial sum\n{shape(conv2['output'])}", lighter(colour, 0.7))
+        for a, b in ((1.6, 2.1), (2.8, 3.3), (5.5, 6.0), (7.7, 8.2), (10.4, 10.9)):
+            arrow(ax, (a, y + 0.4), (b, y + 0.4))
+    box(ax, 13.1, 0.2, 0.9, 2.5, "g", collective, fontsize=12)
+    for y in (2.7, 0.4):
+        arrow(ax, (12.6, y), (13.1, 1.45))
+    box(
+        ax,
+        14.5,
+        0.85,
+        1.9,
+        1.2,
+        f"+ bias {shape(conv2['bias'])}\n({conv2['bias_placement']})\n"
+        f"= y, whole\n{shape(conv2['output'])}",
+        "#dddddd",
+    )
+    arrow(ax, (14.0, 1.45), (14.5, 1.45))
+    ax.text(
+        2.45,
+        -0.55,
+        "f: forward, the identity (x is whole on each rank);\nbackward, an all-reduce of x's "
+        "gradient",
+        ha="center",
+        va="top",
+        fontsize=9,
+    )
+    ax.text(
+        13.55,
+        -0.55,
+        "g: forward, an all-reduce that sums the partial outputs;\nbackward, the identity",
+        ha="center",
+        va="top",
+        fontsize=9,
+    )
+    ax.text(
+        6.85,
+        1.45,
+        "nothing between the pair: each rank's channels are what its conv2 needs",
+        ha="center",
+        va="center",
+        fontsize=9,
+        style="italic",
+    )
+    ax.set_xlim(-1.3, 16.6)
+    ax.set_ylim(-1.3, 3.3)
+    ax.axis("off")
+    frame(
+        fig,
+        f"Tensor parallelism in train_tp.py: block {data['block']}'s pair on {data['tp']} ranks, "
+        f"conv1 split column-wise, then conv2 row-wise",
+        f"Shapes as train_tp.py's tensor_parallel() leaves them, and as a forward of "
+        f"{data['batch']} images records them (batch × channels × height × width). Whole weights: "
+        f"conv1 {shape(conv1['weight'])}, conv2 {shape(conv2['weight'])}.\nOne all-reduce in "
+        "forward (g) and one in backward (f) for the pair; the "
+        "row-wise bias, whole on each rank, is added once, after the sum.",
+        top=1.0,
+        bottom=0.1,
+        left=0.1,
+        right=0.1,
+    )
+    save(fig, path)
+
+
+def draw_overlap(data, path):
+    panels = data["panels"]
+    fig, axes = figure((14, 7.2), len(panels), 1)
+    compute, comm = "#4477aa", "#ee6677"
+    for ax, (key, panel) in zip(axes, panels.items()):
+        modes = list(panel["runs"])
+        longest = max(panel["step_ms"].values())
+        for m, mode in enumerate(modes):
+            for action in panel["runs"][mode]:
+                y = 3 * m + (0 if action["lane"] == "compute" else 1)
+                face = compute if action["lane"] == "compute" else comm
+                width = action["end"] - action["start"]
+                ax.add_patch(
+                    Rectangle(
+                        (action["start"], y - 0.4), width, 0.8, facecolor=face, edgecolor="white"
+                    )
+                )
+                short = (
+                    action["label"]
+                    .replace("blocks.", "")
+                    .replace("backward ", "B")
+                    .replace("forward ", "F")
+                )
+                short = (
+                    short.replace("all-gather ", "AG")
+                    .replace("reduce-scatter ", "RS")
+                    .replace(" again", "")
+                )
+                short = short.replace("all-reduce bucket ", "AR")
+                if width > longest / 60:
+                    ax.text(
+                        action["start"] + width / 2,
+                        y,
+                        short,
+                        ha="center",
+                        va="center",
+                        fontsize=7.5,
+                        color="white",
+                    )
+            step = panel["step_ms"][mode]
+            ax.text(
+                step + longest / 150, 3 * m + 0.5, f"{mode}: {step:.1f} ms", va="center", fontsize=9
+            )
+        saved = panel["step_ms"][modes[0]] - panel["step_ms"][modes[1]]
+        ax.set_yticks(
+            [0, 1, 3, 4], ["compute", "collectives", "compute", "collectives"], fontsize=8
+        )
+        ax.set_ylim(4.7, -0.7)
+        ax.set_xlim(0, longest * 1.22)
+        ax.set_xlabel(
+            "ms from the first action (a model: compute measured, collectives computed)",
+            fontsize=8.5,
+        )
+        ax.set_title(
+            f"{panel['title']}: overlap saves {saved:.1f} ms of {panel['step_ms'][modes[0]]:.1f}",
+            fontsize=9.5,
+            loc="left",
+        )
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    frame(
+        fig,
+        "What overlap buys: a model, not a measurement",
+        "Compute: rank 0's actions in the measured CPU timelines (docs/images/timelines.json). "
+        "Each collective: t = α + n·β with gloo's fit on 2 ranks "
+        "(benchmarks/results/collectives.json). Top of each panel: taking turns,\nas on a CPU; "
+        "below: each collective on a stream of its own, as NCCL's run on a GPU, issued as the "
+        "compute before it starts (FSDP's prefetch) or as its bucket fills (DDP).",
+        top=1.05,
+        bottom=0.55,
+        left=0.95,
+        right=0.2,
+        hspace=0.55,
+    )
+    save(fig, path)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "images",
@@ -461,10 +904,11 @@ def main():
 
     records = record_in_process_group()  # first: no torch op may run in this process before the fork
     torch.set_num_threads(1)
-    figures = dict(fsdp_shards=fsdp_data(records),
-                   sampler=sampler_data(), ring_allreduce=ring_data(records), device_mesh=mesh_data(records))
-    drawers = dict(fsdp_shards=draw_fsdp, sampler=draw_sampler,
-                   ring_allreduce=draw_ring, device_mesh=draw_mesh)
+    figures = dict(fsdp_shards=fsdp_data(records), sampler=sampler_data(),
+                   ring_allreduce=ring_data(records), device_mesh=mesh_data(records),
+                   tp_pair=tp_data(records), overlap=overlap_data())
+    drawers = dict(fsdp_shards=draw_fsdp, sampler=draw_sampler, ring_allreduce=draw_ring,
+                   device_mesh=draw_mesh, tp_pair=draw_tp, overlap=draw_overlap)
     for key, data in figures.items():
         drawers[key](data, args.out / data["png"])
     (args.out / "figures.json").write_text(json.dumps(figures, indent=1) + "\n")

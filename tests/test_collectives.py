@@ -23,6 +23,8 @@ from conftest import ROOT, python, succeeded, torchrun
 
 COLLECTIVES_PAGE = ROOT / "docs" / "collectives.md"
 PARALLELISM_PAGE = ROOT / "docs" / "parallelism.md"
+# Where the pages' walls of numbers went: the gloo fits, the layouts' memory and its measured rows
+MEASUREMENTS_PAGE = ROOT / "docs" / "measurements.md"
 COLLECTIVES = ["broadcast", "all_reduce", "reduce_scatter", "all_gather", "send_recv"]
 
 
@@ -191,7 +193,8 @@ def test_the_page_quotes_the_committed_curve():
     report = json.loads((ROOT / "benchmarks" / "results" / "collectives.json").read_text())
     check_report(report, [2, 4], 64 << 20)
     assert report["quick"] is False and "not measured" in report["nccl"]
-    shown = {row[0]: row[1:] for row in table(COLLECTIVES_PAGE, "| fitted t = α + n·β |")}
+    shown = {row[0].split("](")[0].strip("[") if row[0].startswith("[") else row[0]: row[1:]
+             for row in table(MEASUREMENTS_PAGE, "| fitted t = α + n·β |")}
     by_w = {entry["world_size"]: entry["collectives"] for entry in report["results"]}
     for name in COLLECTIVES:
         expected = [cell for w in (2, 4) for cell in describe(by_w[w][name]["alpha_s"], by_w[w][name]["beta_s_per_byte"])]
@@ -201,7 +204,7 @@ def test_the_page_quotes_the_committed_curve():
     assert shown["ring model from `send_recv`"] == ring
     ratios = [f"{by_w[w]['all_reduce']['ring_model'][k]:.1f}" for w in (2, 4) for k in ("alpha_vs_fit", "beta_vs_fit")]
     assert shown["`all_reduce` / ring model"] == [f"{r}×" for r in ratios]
-    text = " ".join(COLLECTIVES_PAGE.read_text().split())
+    text = " ".join((COLLECTIVES_PAGE.read_text() + MEASUREMENTS_PAGE.read_text()).split())
     assert f"sharing a {report['machine']['cores']}-core CPU" in text
     assert f"the median of {report['rounds']} rounds of {report['repeats']} samples" in text
     # The latency's growth from 2 ranks to 4, measured and as the ring model has it.
@@ -237,7 +240,7 @@ def counts_of(cell):
 
 
 def test_the_memory_table_follows_its_formulas():
-    rows = table(PARALLELISM_PAGE, "| layout | counts | GPUs |")
+    rows = table(MEASUREMENTS_PAGE, "| layout | counts | GPUs |")
     assert [row[0] for row in rows] == ["one GPU", "DDP", "FSDP", "HSDP", "TP", "FSDP × TP", "PP × FSDP × TP"]
     for layout, counts, gpus, text, seven, seventy in rows:
         counts = counts_of(counts)
@@ -252,8 +255,8 @@ def test_the_memory_formulas_match_the_measured_bytes_per_rank():
             ("hybrid, 2 groups x 2 shards", 4): "HSDP, 2 groups × 2 shards", ("full", 4): "FSDP `full`, 4 ranks"}
     state = {runs[(r["layout"], r["ranks"])]: r for r in measured if (r["layout"], r["ranks"]) in runs}
     P = state["DDP, 1 rank"]["param_count"]
-    assert f"P = {P:,}" in PARALLELISM_PAGE.read_text()
-    rows = table(PARALLELISM_PAGE, "| run | counts | formula |")
+    assert f"P = {P:,}" in MEASUREMENTS_PAGE.read_text()
+    rows = table(MEASUREMENTS_PAGE, "| run | counts | formula |")
     assert [row[0] for row in rows] == list(runs.values())
     predicted = {}
     for run, counts, text, shown_formula, shown_measured, shown_ratio in rows:

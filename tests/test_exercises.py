@@ -1,4 +1,4 @@
-"""The exercises of the DDP, FSDP and pipeline pages: every command runs, every stated answer holds.
+"""The exercises of the lesson pages: every command runs, every stated answer holds.
 
 The format, strict so that it can be read here. A page's exercises are the `### ` subsections of its
 `## Exercises` section. Each one has, in this order:
@@ -19,12 +19,19 @@ The format, strict so that it can be read here. A page's exercises are the `### 
     <!-- check: RUN KEY == VALUE -->           in RUN's metrics file, KEY equals VALUE (JSON)
     <!-- check: RUN KEY ~ RUN2 KEY2 within T -->    the numbers at KEY and KEY2 differ by at most T
     <!-- check: RUN KEY !~ RUN2 KEY2 beyond T -->   ... by more than T somewhere (the negative control)
+    <!-- check: RUN KEY between LO and HI -->       every number at KEY lies in [LO, HI]: a
+                                                    measured time, which moves with the machine
 
   RUN is a run's NAME.json. KEY is a dotted path into the metrics JSON; `*` takes every element of a
   list (`ranks.*.state_bytes`, `loss_curve.*.1`: the loss column). The answer's prose must state
   each exact value (a number as printed or with thousands separators, a printed TEXT in full), so a
   reader sees what the test checks; an exercise with a `~` check must have a `!~` check whose
   tolerance is at least 100 times larger, so the tolerance is shown to sit far below a real difference.
+  A `between` check's answer states LO and HI, as the page writes them.
+
+The strategies' pages (DDP, FSDP, pipeline) have at least three exercises, every other lesson
+at least one.
+A run's --metrics, --log-dir, --checkpoint-dir and --out go to this test's temporary directory.
 
 The commands also parse with the scripts' own parsers (tests/test_docs.py). The runs are marked slow
 (pytest.ini): variations of what the other files launch, they check the pages' answers; CI runs them.
@@ -40,7 +47,9 @@ import pytest
 
 from conftest import ROOT, Run, launcher_env, python, run_sh
 
-PAGES = [ROOT / "docs" / name for name in ("ddp.md", "fsdp.md", "pipeline.md")]
+LEAST = {"concepts.md": 1, "collectives.md": 1, "ddp.md": 3, "batch.md": 1, "fsdp.md": 3,
+         "pipeline.md": 3, "parallelism.md": 1, "checkpoints.md": 1, "cluster.md": 1}  # at least
+PAGES = [ROOT / "docs" / name for name in LEAST]
 CHECK = re.compile(r"<!-- check: (.*?) -->")
 FORMS = [
     ("prints", re.compile(r'(?P<run>\S+\.json) prints "(?P<text>[^"]+)"$')),
@@ -48,6 +57,8 @@ FORMS = [
     ("equals", re.compile(r"(?P<run>\S+\.json) (?P<key>\S+) == (?P<value>.+)$")),
     ("near", re.compile(r"(?P<run>\S+\.json) (?P<key>\S+) ~ (?P<other>\S+\.json) (?P<other_key>\S+) within (?P<tol>\S+)$")),
     ("far", re.compile(r"(?P<run>\S+\.json) (?P<key>\S+) !~ (?P<other>\S+\.json) (?P<other_key>\S+) beyond (?P<tol>\S+)$")),
+    ("between", re.compile(r"(?P<run>\S+\.json) (?P<key>\S+) between (?P<low>\S+) "
+                           r"and (?P<high>\S+)$")),
 ]
 
 
@@ -129,11 +140,11 @@ def states(number, visible):
     return str(number) in visible or (isinstance(number, int) and f"{number:,}" in visible)
 
 
-def test_every_page_has_three_exercises_in_the_format():
+def test_every_page_has_its_exercises_in_the_format():
     runs = all_commands()
     for page in PAGES:
         found = exercises(page)
-        assert len(found) >= 3, f"{page.name}: {len(found)} exercises"
+        assert len(found) >= LEAST[page.name], f"{page.name}: {len(found)} exercises"
         for title, commands, question, visible, checks in found:
             where = f"{page.name}, exercise {title!r}"
             assert commands and question and checks, where
@@ -149,6 +160,10 @@ def test_every_page_has_three_exercises_in_the_format():
                     assert fields["text"] in visible, f"{where}: the answer does not state {fields['text']!r}"
                 if kind == "equals":
                     missing = [n for n in numbers(json.loads(fields["value"])) if not states(n, visible)]
+                    assert not missing, f"{where}: the answer does not state {missing}"
+                if kind == "between":
+                    assert float(fields["low"]) < float(fields["high"]), f"{where}: {fields}"
+                    missing = [fields[k] for k in ("low", "high") if fields[k] not in visible]
                     assert not missing, f"{where}: the answer does not state {missing}"
             near = [float(fields["tol"]) for kind, fields in checks if kind == "near"]
             far = [float(fields["tol"]) for kind, fields in checks if kind == "far"]
@@ -178,7 +193,7 @@ class Runs:
                 self[earlier]
             words = list(words)
             args = words[words.index("bash") + 2:] if words[0] != "python" else words[2:]
-            for flag in ("--metrics", "--log-dir"):
+            for flag in ("--metrics", "--log-dir", "--checkpoint-dir", "--out"):
                 if flag in args:
                     args[args.index(flag) + 1] = str(self.directory / args[args.index(flag) + 1])
             if words[0] == "python":
@@ -233,6 +248,10 @@ def test_the_exercise_answers_are_what_the_runs_give(runs, page, index):
                 assert returncode == int(fields["code"]), f"{where}: exit code {returncode}\n{output[-3000:]}"
         elif kind == "equals":
             assert runs.value(fields["run"], fields["key"]) == json.loads(fields["value"]), where
+        elif kind == "between":
+            found = numbers(runs.value(fields["run"], fields["key"]))
+            low, high = float(fields["low"]), float(fields["high"])
+            assert found and all(low <= n <= high for n in found), f"{where}: {found}"
         else:
             mine = numbers(runs.value(fields["run"], fields["key"]))
             other = numbers(runs.value(fields["other"], fields["other_key"]))

@@ -87,4 +87,49 @@ def test_figures_match_the_committed_ones(tmp_path):
     assert all(sum(s["src"] == rank for step in ring["steps"] for s in step["sends"]) == 2 * (world - 1)
                for rank in range(world))
     assert all(numerator * world == 2 * (world - 1) * denominator for numerator, denominator in ring["sent_share"])
+
+    # Tensor parallelism: train_tp.py's pair, column-wise (output channels, Shard(0)) then row-wise
+    # (input channels, Shard(1), the bias whole): each rank holds 1/tp of each weight, and conv1's
+    # channels are what conv2 takes in.
+    tp = fresh["tp_pair"]
+    conv1, conv2 = tp["layers"]["conv1"], tp["layers"]["conv2"]
+    placements = (conv1["weight_placement"], conv2["weight_placement"], conv2["bias_placement"])
+    assert placements == ("S(0)", "S(1)", "R")
+    assert conv1["weight_local"][0] * tp["tp"] == conv1["weight"][0]
+    assert conv1["bias_local"][0] * tp["tp"] == conv1["bias"][0]
+    assert conv2["weight_local"][1] * tp["tp"] == conv2["weight"][1]
+    assert conv2["bias_local"] == conv2["bias"]
+    assert conv1["output"][1] == conv1["weight_local"][0] == conv2["input"][1]
+    assert conv2["input"][1] == conv2["weight_local"][1]
+    # whole in, whole out
+    assert conv1["input"][1] == conv1["weight"][1] and conv2["output"][1] == conv2["weight"][0]
+
+    # Overlap, a model: each collective lasts α + n·β of its fit; a lane runs one thing at a time;
+    # compute keeps its order and its measured durations; overlapping never makes the step longer,
+    # and taking turns never runs a collective beside compute.
+    overlap = fresh["overlap"]
+    assert overlap["model"] is True
+    for panel in overlap["panels"].values():
+        turns, overlapped = (panel["runs"][mode] for mode in ("taking turns", "overlapped"))
+        assert [a["label"] for a in turns] == [a["label"] for a in overlapped]
+        for laid in (turns, overlapped):
+            for lane in ("compute", "comm"):
+                spans = [(a["start"], a["end"]) for a in laid if a["lane"] == lane]
+                pairs = zip(spans, spans[1:])
+                assert all(end <= start + 1e-6 for (_, end), (start, _) in pairs), spans
+            for action in laid:
+                if action["lane"] == "comm":
+                    kind = "all_reduce" if "all-reduce" in action["label"] else (
+                        "all_gather" if "all-gather" in action["label"] else "reduce_scatter")
+                    alpha, beta = panel["fit_ms"][kind]
+                    expected = alpha + panel["bytes"][action["label"]] * beta
+                    took = action["end"] - action["start"]
+                    assert math.isclose(took, expected, abs_tol=2e-3), action
+        spans = sorted((a["start"], a["end"]) for a in turns)
+        pairs = zip(spans, spans[1:])  # one thing at a time
+        assert all(end <= start + 1e-6 for (_, end), (start, _) in pairs)
+        assert panel["step_ms"]["overlapped"] <= panel["step_ms"]["taking turns"]
+        compute = [[a["end"] - a["start"] for a in laid if a["lane"] == "compute"]
+                   for laid in (turns, overlapped)]
+        assert all(math.isclose(a, b, abs_tol=2e-3) for a, b in zip(*compute))
     print(f"docs/figures.py took {run.seconds:.1f} s")
