@@ -107,6 +107,9 @@ def parser(description, *more):  # the flags all three scripts share, then those
     add("--checkpoint-dir", metavar="DIR", help="save checkpoints here, and resume from the newest one found there")
     add("--checkpoint-every", type=number(int, 1), default=100, help="steps between checkpoints (and one at the end)")
     add("--keep-checkpoints", type=number(int, 1), default=2, help="how many of the newest checkpoints to keep")
+    add("--init-from", metavar="FILE", help="start from these weights (what --save or plumbing/consolidate.py "
+        "writes; a .safetensors file too), with a fresh optimizer and schedule; a checkpoint in --checkpoint-dir "
+        "wins over it")
     add("--save", metavar="PATH", help="write the final weights as a plain state dict (rank 0)")
     add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")
     add("--log-dir", metavar="DIR", help="rank 0 appends a row per logging step and per evaluation to DIR/metrics.csv")

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils._pytree import tree_leaves
 
-from plumbing.core import NodeError, Retryable, UsageError, cannot_write, save_json, say
+from plumbing.core import NodeError, Retryable, UsageError, cannot_write, log, save_json, say
 
 # The signals torchrun passes on to its workers (plumbing/torchrun.py sets the same before torch is imported).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
@@ -99,27 +99,70 @@ def store_for_this_attempt(timeout):
     return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
-def on_rank_0(work, what):
-    """Collective: rank 0 does ``work()`` and returns its result on every rank. Whatever rank 0 raises, every rank
-    raises at once with the same one line (a UsageError stays one, a transient failure is Retryable); never are the
-    others left waiting for a collective that rank 0 will not make."""
-    outcome = [None, None]  # [result, (kind, line)]
+def on_rank_0(work, what, share=True):
+    """Collective: rank 0 does ``work()`` and returns its result, on every rank with ``share`` (pickled: keep it small),
+    else on rank 0 alone. Whatever rank 0 raises, every rank raises at once with the same one line (a UsageError stays
+    one, a transient failure is Retryable); never are the others left waiting for a collective rank 0 will not make."""
+    result, problem = None, None  # problem: (kind, line)
     if dist.get_rank() == 0:
         try:
-            outcome[0] = work()
+            result = work()
         except UsageError as error:
-            outcome[1] = ("usage", str(error))
+            problem = ("usage", str(error))
         except Exception as error:  # a bug too: its traceback here, its line on every rank
             line = transient(error)
             if line is None:
                 traceback.print_exc()
-            outcome[1] = ("retry", line) if line else ("crash", f"rank 0 failed {what}: {type(error).__name__}: "
-                                                                f"{' '.join(str(error).split())[:300]}")
+            problem = ("retry", line) if line else ("crash", f"rank 0 failed {what}: {type(error).__name__}: "
+                                                             f"{' '.join(str(error).split())[:300]}")
+    outcome = [result if share else None, problem]
     dist.broadcast_object_list(outcome, src=0)
     if outcome[1]:
         kind, line = outcome[1]
         raise {"usage": UsageError, "retry": Retryable, "crash": RuntimeError}[kind](line)
-    return outcome[0]
+    return outcome[0] if share else result
+
+
+def init_from(model, path):
+    """Collective: the weights in ``path`` (a state dict saved by torch.save, or a .safetensors file) into ``model``,
+    whole on every rank: rank 0 reads the file and checks its names and shapes, then broadcasts each tensor, so a node
+    holds the file's weights once, not once per rank. Call it before the model is wrapped, sharded or cut."""
+    expected = model.state_dict()
+
+    def read():  # rank 0: the file's tensors, or a UsageError naming the first that does not fit
+        if not os.path.isfile(path):
+            raise UsageError(f"--init-from {path}: no such file")
+        try:
+            if path.endswith(".safetensors"):
+                from safetensors.torch import load_file  # an optional package: pip install safetensors
+
+                weights = load_file(path)
+            else:  # weights_only: no pickled code runs, as it would in a DCP checkpoint's .metadata
+                weights = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except ImportError:
+            raise UsageError(f"--init-from {path}: reading .safetensors needs pip install safetensors") from None
+        except Exception as error:  # not a state dict of tensors: torch.load's and safetensors' errors vary
+            raise UsageError(f"--init-from {path} is not a file of weights ({' '.join(str(error).split())[:200]})")
+        if not isinstance(weights, dict) or not all(torch.is_tensor(t) for t in weights.values()):
+            raise UsageError(f"--init-from {path} holds no state dict of tensors")
+        for name, tensor in expected.items():
+            if name not in weights:
+                raise UsageError(f"--init-from {path} does not fit this model: it has no {name}")
+            if weights[name].shape != tensor.shape:
+                raise UsageError(f"--init-from {path} does not fit this model: {name} is "
+                                 f"{list(weights[name].shape)} there, {list(tensor.shape)} here")
+        if extra := sorted(set(weights) - set(expected)):
+            raise UsageError(f"--init-from {path} does not fit this model: it has {extra[0]}, which this model lacks")
+        return weights
+
+    weights = on_rank_0(read, f"reading --init-from {path}", share=False)  # None on the other ranks
+    with torch.no_grad():
+        for name, tensor in expected.items():
+            if weights is not None:
+                tensor.copy_(weights[name])
+            dist.broadcast(tensor, src=0)
+    if dist.get_rank() == 0:
+        log(f"initialised the model from {path}; the optimizer and the lr schedule start afresh")
 
 
 class StopSignals:
@@ -285,6 +328,8 @@ class Checkpointer:
         for kind, state in tensors.get("rng", {}).get(f"rank{dist.get_rank()}", {}).items():
             (torch.set_rng_state(state) if kind == "cpu" else torch.cuda.set_rng_state(state, self.device))
         log(f"resumed from {path} (step {info['step']}, epoch {info['epoch'] + 1})")
+        if self.args.init_from:  # a restarted or requeued job goes on; it does not start over
+            log(f"--init-from {self.args.init_from} is not used: the checkpoint is newer")
         if info["peak_lr"] != peak_lr:  # another --lr, or another global batch with --scale-lr
             log(f"the peak lr is now {peak_lr:g}, not the checkpoint's {info['peak_lr']:g}: the schedule goes on")
         saved, batch = info["samples_into_epoch"], self.layout["global_batch_size"]
