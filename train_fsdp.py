@@ -119,8 +119,8 @@ def main():
         torch.manual_seed(args.seed)
         channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W): BabyCNN's input
         model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
-        if args.init_from:  # collective: rank 0 reads the file, and broadcasts each weight to the others
-            hardening.init_from(model, args.init_from)
+        if args.init_from:  # rank 0 reads the file, and broadcasts each weight to the others
+            hardening.init_from(model, args.init_from)  # collective
         param_count = sum(p.numel() for p in model.parameters())
         flops = core.flops_per_sample(model, train_set, device, dtype)  # one sample's forward and backward
         units = shard_units(model)  # [(parent, name)]: BabyCNN's 4 blocks

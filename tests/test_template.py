@@ -23,8 +23,8 @@ SCRIPTS = ["train_ddp.py", "train_fsdp.py", "train_pippy.py"]
 # warmup rule, batches through a DataLoader and evaluation of any Dataset 50 more (the copy no longer needs
 # models/data.py); issue 30's progress bar, --log-dir's CSV and TensorBoard rows, FLOPs and --profile-steps 140 more;
 # issue 40's faults (retries told from bad input, checkpoints only of finite state, a stop within a second, rank-0
-# sections that release the others, a store per torchrun attempt) 135 more.
-MAX_LINES = 780
+# sections that release the others, a store per torchrun attempt) 135 more; issue 42's --init-from 45 more.
+MAX_LINES = 825
 MAX_HIDDEN_COLLECTIVES = 6  # collective calls outside the scripts
 # The collectives of torch.distributed, and DCP's save and load, which are collectives too.
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
