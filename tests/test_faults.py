@@ -163,3 +163,35 @@ def test_mfu_is_one_gpus_flops_over_its_peak():
     assert figures["peak_flops_per_gpu"] == 989e12 and figures["mfu"] == pytest.approx(1.25e14 / 989e12, rel=1e-12)
     assert core.throughput(1e12, 1000.0, 8, cpu, "fp32", gpu_name="NVIDIA H100 80GB HBM3")["mfu"] is None
     assert core.throughput(1e12, 1000.0, 1, cpu, "bf16")["mfu"] is None  # no GPU: no peak
+
+
+SECTION = """
+import torch.distributed as dist
+from plumbing import hardening
+
+dist.init_process_group("gloo")
+try:
+    hardening.on_rank_0(lambda: [] + None, "in a test")
+except Exception as error:
+    print(f"rank {dist.get_rank()}: {type(error).__name__}: {error}", flush=True)
+dist.barrier()  # both ranks got here: nobody was left waiting in a collective
+dist.destroy_process_group()
+"""
+
+
+def test_whatever_rank_0_raises_in_its_section_the_others_raise_at_once(tmp_path):
+    """A bug (a TypeError) in a rank-0-only section: rank 0 says its traceback, and every rank raises with the same
+    one line at once, instead of waiting in the next collective for the 10-minute timeout."""
+    script = tmp_path / "section.py"
+    script.write_text(SECTION)
+    run = succeeded(torchrun(script, 2))
+    lines = sorted(line for line in run.output.splitlines() if line.startswith("rank "))
+    assert lines == [f"rank {r}: RuntimeError: rank 0 failed in a test: TypeError: can only concatenate list (not "
+                     "\"NoneType\") to list" for r in (0, 1)], run.output
+
+
+def test_a_damaged_checkpoint_set_aside_never_takes_a_name_in_use(tmp_path):
+    for name in ("damaged-step-4", "damaged-step-4-2"):
+        (tmp_path / name).mkdir()
+    assert hardening._unused(str(tmp_path / "damaged-step-4")) == str(tmp_path / "damaged-step-4-3")
+    assert hardening._unused(str(tmp_path / "damaged-step-8")) == str(tmp_path / "damaged-step-8")
