@@ -117,8 +117,14 @@ fi
 # ends in one line instead of torchrun's 40- to 80-line traceback (plumbing/torchrun.py says how each ending reads).
 # Copied elsewhere, the command lines work as they are with the real torchrun.
 torchrun() {
-    local timeout_error="error: not all NNODES=${NNODES:-} nodes joined at ${endpoint:-} within JOIN_TIMEOUT=${JOIN_TIMEOUT:-} s:"
-    timeout_error+=" start each with the same MASTER_ADDR, MASTER_PORT and RDZV_ID, or raise JOIN_TIMEOUT"
+    local timeout_error
+    if [ -n "$elastic" ]; then  # the operator's variables, not ours
+        timeout_error="error: not all PET_NNODES=${PET_NNODES:-} nodes joined at PET_RDZV_ENDPOINT=$PET_RDZV_ENDPOINT"
+        timeout_error+=" within torchrun's join timeout: are the other pods running and able to reach it?"
+    else
+        timeout_error="error: not all NNODES=$NNODES nodes joined at ${endpoint:-} within JOIN_TIMEOUT=$JOIN_TIMEOUT s:"
+        timeout_error+=" start each with the same MASTER_ADDR, MASTER_PORT and RDZV_ID, or raise JOIN_TIMEOUT"
+    fi
     echo "launch.sh: torchrun $*" >&2  # at once: torch takes seconds to import before anything else is said
     exec python3 "$here/plumbing/torchrun.py" "$timeout_error" "$@"
 }

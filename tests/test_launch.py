@@ -87,6 +87,11 @@ BAD_VARIABLES = {
                              "nothing answered at MASTER_ADDR:MASTER_PORT=127.0.0.1:{free} within JOIN_TIMEOUT=3 s"),
     "node-1-never-joins": ({**NODE_0, "MASTER_PORT": "{free2}", "JOIN_TIMEOUT": 3},
                            "not all NNODES=2 nodes joined at 127.0.0.1:{free2} within JOIN_TIMEOUT=3 s"),
+    # A PyTorchJob's pod whose peers never come: the operator's variables, named as they are
+    "pytorchjob-pod-alone": ({"PET_RDZV_ENDPOINT": "127.0.0.1:{free3}", "PET_NNODES": 2, "PET_RDZV_BACKEND": "c10d",
+                              "PET_RDZV_CONF": "join_timeout=3", "NPROC_PER_NODE": 1},
+                             "not all PET_NNODES=2 nodes joined at PET_RDZV_ENDPOINT=127.0.0.1:{free3} within "
+                             "torchrun's join timeout"),
 }
 LAUNCHER_VARIABLES = ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RDZV_ID", "JOIN_TIMEOUT",
                       "MAX_RESTARTS")
@@ -95,9 +100,9 @@ LAUNCHER_VARIABLES = ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "M
 @pytest.fixture(scope="module")
 def bad_launches():
     with socket.create_server(("127.0.0.1", 0)) as busy:
-        ports = {"busy": busy.getsockname()[1], "free": free_port(), "free2": free_port()}
-        while ports["free2"] == ports["free"]:
-            ports["free2"] = free_port()
+        ports = {"busy": busy.getsockname()[1], "free": free_port(), "free2": free_port(), "free3": free_port()}
+        while len(set(ports.values())) < len(ports):
+            ports["free2"], ports["free3"] = free_port(), free_port()
         started = {}
         for case, (variables, _) in BAD_VARIABLES.items():
             env = launcher_env()
