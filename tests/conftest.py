@@ -44,7 +44,7 @@ TIMEOUT = 240  # seconds for one launch; a healthy one takes 5 to 40 here
 
 # pytest-xdist hands out whole files (--dist loadfile, pytest.ini) in the order they were collected: the longest go
 # first (by --durations, in seconds of launches), so that none starts last while the other worker has nothing left.
-LONGEST_FIRST = ["test_checkpoint.py", "test_launch.py", "test_pippy.py", "test_bad_input.py", "test_fsdp.py",
+LONGEST_FIRST = ["test_checkpoint.py", "test_faults.py", "test_launch.py", "test_pippy.py", "test_bad_input.py", "test_fsdp.py",
                  "test_cluster.py", "test_ddp.py", "test_hardening.py", "test_progress.py"]
 
 
