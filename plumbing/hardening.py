@@ -329,7 +329,7 @@ class Checkpointer:
                              "--checkpoint-dir")
 
 
-def _verify(path, layout):  # (checkpoint.json, None) if all files match it, or (None, what is damaged); or refuse
+def _verify(path, layout=None):  # (checkpoint.json, None) if all files match it, or (None, what is damaged); or refuse
     manifest = os.path.join(path, "checkpoint.json")
     try:
         with open(manifest) as file:
@@ -339,7 +339,7 @@ def _verify(path, layout):  # (checkpoint.json, None) if all files match it, or 
             raise ValueError(f"format {info['format']} (this code reads {FORMAT}), files {sorted(files)}")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         return None, f"checkpoint.json is unreadable: {error}"
-    if info["layout"]["dataset"] != layout["dataset"]:  # another model's parameters: DCP's load says which
+    if layout and info["layout"]["dataset"] != layout["dataset"]:  # another model's parameters: DCP's load says which
         raise UsageError(f"checkpoint {manifest} was saved with dataset {info['layout']['dataset']}, this run has "
                          f"dataset {layout['dataset']}; use another --checkpoint-dir or the same dataset")
     for name, expected in files.items():
