@@ -107,6 +107,8 @@ def parser(description, *more):  # the flags all three scripts share, then those
     add("--checkpoint-dir", metavar="DIR", help="save checkpoints here, and resume from the newest one found there")
     add("--checkpoint-every", type=number(int, 1), default=100, help="steps between checkpoints (and one at the end)")
     add("--keep-checkpoints", type=number(int, 1), default=2, help="how many of the newest checkpoints to keep")
+    add("--resume-from", metavar="STEP", help="resume from this checkpoint, not the newest: step-<N> in "
+        "--checkpoint-dir, or a path; the newer ones are kept until a save of their step replaces them")
     add("--save", metavar="PATH", help="write the final weights as a plain state dict (rank 0)")
     add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")
     add("--log-dir", metavar="DIR", help="rank 0 appends a row per logging step and per evaluation to DIR/metrics.csv")

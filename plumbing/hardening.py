@@ -259,8 +259,8 @@ class Checkpointer:
         return self._list_complete()
 
     def check_outputs_and_resume(self, model, optimizer, peak_lr, log):
-        """Collective: rank 0 checks that the outputs can be written and finds the newest intact checkpoint; every rank
-        loads its part. Returns where training goes on: step, epoch, samples_into_epoch."""
+        """Collective: rank 0 checks that the outputs can be written and finds the newest intact checkpoint (or checks
+        --resume-from's); every rank loads its part. Returns where training goes on: step, epoch, samples_into_epoch."""
         found = on_rank_0(lambda: self._check_outputs() or self._newest_intact(log), "finding a checkpoint")
         if found is None:
             return {"step": 0, "epoch": 0, "samples_into_epoch": 0}
@@ -312,9 +312,9 @@ class Checkpointer:
                 raise UsageError(f"{flag} {path}: cannot write there ({error.strerror or error})") from None
 
     def _newest_intact(self, log):  # on rank 0: (path, checkpoint.json) or None; damaged newer ones are set aside
-        damaged = []  # (path, what is wrong), newest first
-        for name in reversed(self._remove_strays_and_list_complete()):
-            path = os.path.join(self.directory, name)
+        damaged, chosen = [], self.args.resume_from  # (path, what is wrong), newest first; --resume-from: that only
+        for name in [chosen] if chosen else reversed(self._remove_strays_and_list_complete()):  # newer ones are kept
+            path = name if os.sep in name else os.path.join(self.directory or ".", name)  # step-<N> there, or a path
             info, problem = _verify(path, self.layout)
             if problem is None:
                 for bad, why in damaged:
@@ -325,7 +325,8 @@ class Checkpointer:
             damaged.append((path, problem))
         if damaged:  # nothing is moved: a torchrun restart must not start again from step 0 unsaid
             faults = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in damaged)
-            raise UsageError(f"no intact checkpoint in {self.directory}: {faults}; restore one, or use another "
+            raise UsageError(f"--resume-from {chosen} is not an intact checkpoint ({faults})" if chosen else
+                             f"no intact checkpoint in {self.directory}: {faults}; restore one, or use another "
                              "--checkpoint-dir")
 
 
