@@ -110,6 +110,9 @@ def parser(description, *more):  # the flags all three scripts share, then those
     add("--init-from", metavar="FILE", help="start from these weights (what --save or plumbing/consolidate.py "
         "writes; a .safetensors file too), with a fresh optimizer and schedule; a checkpoint in --checkpoint-dir "
         "wins over it")
+    add("--resume-from", metavar="STEP", help="resume from this checkpoint, not the newest: step-<N> in "
+        "--checkpoint-dir, or a path; the newer ones are moved aside (abandoned-step-<N>), and a rerun of the same "
+        "command goes on from the newest of this branch")
     add("--save", metavar="PATH", help="write the final weights as a plain state dict (rank 0)")
     add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")
     add("--log-dir", metavar="DIR", help="rank 0 appends a row per logging step and per evaluation to DIR/metrics.csv")

@@ -227,6 +227,7 @@ class Checkpointer:
         self.args, self.directory, self.device = args, args.checkpoint_dir, device
         self.layout = {"dataset": dataset_name, "world_size": dist.get_world_size(),
                        "global_batch_size": global_batch_size, "device": device.type}
+        self.branch = None  # (rank 0's) the --resume-from this run's checkpoints descend from, if any
 
     def save(self, step, position, model, optimizer, peak_lr, window_loss):
         """Collective: the ranks agree that every weight, optimizer state and ``window_loss`` (the loss since the last
@@ -251,7 +252,7 @@ class Checkpointer:
             try:
                 files = {name: _fingerprint(os.path.join(temporary, name)) for name in sorted(os.listdir(temporary))}
                 save_json({"format": FORMAT, "layout": self.layout, "step": step, **position, "peak_lr": peak_lr,
-                           "files": files}, os.path.join(temporary, "checkpoint.json"))
+                           "branch": self.branch, "files": files}, os.path.join(temporary, "checkpoint.json"))
                 shutil.rmtree(final, ignore_errors=True)  # the same step saved before (a rerun)
                 os.replace(temporary, final)
             except (OSError, UsageError) as error:
@@ -302,8 +303,8 @@ class Checkpointer:
         return self._list_complete()
 
     def check_outputs_and_resume(self, model, optimizer, peak_lr, log):
-        """Collective: rank 0 checks that the outputs can be written and finds the newest intact checkpoint; every rank
-        loads its part. Returns where training goes on: step, epoch, samples_into_epoch."""
+        """Collective: rank 0 checks that the outputs can be written and finds the newest intact checkpoint (or checks
+        --resume-from's); every rank loads its part. Returns where training goes on: step, epoch, samples_into_epoch."""
         found = on_rank_0(lambda: self._check_outputs() or self._newest_intact(log), "finding a checkpoint")
         if found is None:
             return {"step": 0, "epoch": 0, "samples_into_epoch": 0}
@@ -356,7 +357,27 @@ class Checkpointer:
             except OSError as error:
                 raise UsageError(f"{flag} {path}: cannot write there ({error.strerror or error})") from None
 
-    def _newest_intact(self, log):  # on rank 0: (path, checkpoint.json) or None; damaged newer ones are set aside
+    def _newest_intact(self, log):  # on rank 0: (path, checkpoint.json) or None; --resume-from's, if given
+        found, chosen = self._newest_in_directory(log), self.args.resume_from
+        self.branch = found[1].get("branch") if found else None  # written into the checkpoints this run saves
+        if not chosen:
+            return found
+        if found and self.branch == chosen:  # a rerun of the same command (a requeue, a torchrun restart)
+            log(f"--resume-from {chosen} was applied before: its branch goes on from {found[0]}")
+            return found
+        path = chosen if os.sep in chosen else os.path.join(self.directory or ".", chosen)  # step-<N> there, or a path
+        info, problem = _verify(path, self.layout)
+        if problem:
+            raise UsageError(f"--resume-from {chosen} is not an intact checkpoint ({problem})")
+        newer = [name for name in self._list_complete() if int(name[5:]) > info["step"]]
+        for name in newer:  # never resumed from again, never deleted
+            os.replace(os.path.join(self.directory, name), _unused(os.path.join(self.directory, "abandoned-" + name)))
+        if newer:
+            log(f"--resume-from {chosen}: the newer {', '.join(newer)} moved aside to abandoned-step-<N>")
+        self.branch = chosen
+        return path, info
+
+    def _newest_in_directory(self, log):  # on rank 0: (path, checkpoint.json) or None; damaged newer ones go aside
         damaged = []  # (path, what is wrong), newest first
         for name in reversed(self._remove_strays_and_list_complete()):
             path = os.path.join(self.directory, name)
@@ -374,7 +395,7 @@ class Checkpointer:
                              "--checkpoint-dir")
 
 
-def _verify(path, layout):  # (checkpoint.json, None) if all files match it, or (None, what is damaged); or refuse
+def _verify(path, layout=None):  # (checkpoint.json, None) if all files match it, or (None, what is damaged); or refuse
     manifest = os.path.join(path, "checkpoint.json")
     try:
         with open(manifest) as file:
@@ -384,7 +405,7 @@ def _verify(path, layout):  # (checkpoint.json, None) if all files match it, or 
             raise ValueError(f"format {info['format']} (this code reads {FORMAT}), files {sorted(files)}")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         return None, f"checkpoint.json is unreadable: {error}"
-    if info["layout"]["dataset"] != layout["dataset"]:  # another model's parameters: DCP's load says which
+    if layout and info["layout"]["dataset"] != layout["dataset"]:  # another model's parameters: DCP's load says which
         raise UsageError(f"checkpoint {manifest} was saved with dataset {info['layout']['dataset']}, this run has "
                          f"dataset {layout['dataset']}; use another --checkpoint-dir or the same dataset")
     for name, expected in files.items():

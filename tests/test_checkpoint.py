@@ -187,6 +187,23 @@ def test_a_resharded_resume_continues_training(uninterrupted, mnist_dir, tmp_pat
     assert metrics["final_train_loss"] < 1.0 and metrics["test_accuracy"] > 0.5
 
 
+def test_resume_from_an_older_checkpoint_ends_as_the_uninterrupted_run(uninterrupted, mnist_dir, tmp_path):
+    checkpoints = copy_checkpoints(uninterrupted("ddp"), tmp_path)  # step-30 and step-40
+    run = succeeded(torchrun("train_ddp.py", 2, *mnist_args(mnist_dir), *LONG, "--batch-size", "16",
+                             "--checkpoint-dir", checkpoints, "--resume-from", checkpoints / "step-30",
+                             "--save", tmp_path / "final.pt"))
+    assert f"resumed from {checkpoints}/step-30 (step 30, epoch 2)" in run.output, run.output
+    assert max_difference(load_weights(tmp_path / "final.pt"), load_weights(uninterrupted("ddp") / "final.pt")) == 0
+    # The newer step-40 moved aside, never resumed from again; this branch's own step-40 in its place
+    assert f"--resume-from {checkpoints}/step-30: the newer step-40 moved aside to abandoned-step-<N>" in run.output
+    assert sorted(os.listdir(checkpoints)) == ["abandoned-step-40", "step-30", "step-40"]
+    # The same command again (a requeued job keeps its flags): it goes on from its branch, not back to step 30
+    again = succeeded(torchrun("train_ddp.py", 2, *mnist_args(mnist_dir), *LONG, "--batch-size", "16",
+                               "--checkpoint-dir", checkpoints, "--resume-from", checkpoints / "step-30"))
+    assert f"was applied before: its branch goes on from {checkpoints}/step-40" in again.output, again.output
+    assert f"resumed from {checkpoints}/step-40 (step 40," in again.output, again.output
+
+
 def test_a_damaged_checkpoint_is_set_aside_and_the_newest_intact_one_resumes(uninterrupted, mnist_dir, tmp_path):
     checkpoints = copy_checkpoints(uninterrupted("ddp"), tmp_path)
     data_file = next((checkpoints / "step-40").glob("*.distcp"))
@@ -223,6 +240,9 @@ def test_bad_checkpoints_are_one_line_errors(uninterrupted, mnist_dir, tmp_path)
          "--checkpoint-dir"),
         (1, "train_ddp.py", ["--checkpoint-dir", intact, "--dataset", "synthetic"],
          "was saved with dataset mnist, this run has dataset synthetic"),
+        (1, "train_ddp.py", ["--checkpoint-dir", intact, "--resume-from", "step-20"],
+         f"--resume-from step-20 is not an intact checkpoint (checkpoint.json is unreadable: [Errno 2] "
+         f"No such file or directory: '{intact}/step-20/checkpoint.json')"),
     ]
     runs = [launch(script, processes, *mnist_args(mnist_dir), *LONG, "--batch-size", "16", *flags)
             for processes, script, flags, _ in cases]
