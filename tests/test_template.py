@@ -23,9 +23,12 @@ SCRIPTS = ["train_ddp.py", "train_fsdp.py", "train_pippy.py"]
 # warmup rule, batches through a DataLoader and evaluation of any Dataset 50 more (the copy no longer needs
 # models/data.py); issue 30's progress bar, --log-dir's CSV and TensorBoard rows, FLOPs and --profile-steps 140 more;
 # issue 40's faults (retries told from bad input, checkpoints only of finite state, a stop within a second, rank-0
-# sections that release the others, a store per torchrun attempt) 135 more; issue 42's --init-from 45 more.
-MAX_LINES = 825
-MAX_HIDDEN_COLLECTIVES = 6  # collective calls outside the scripts
+# sections that release the others, a store per torchrun attempt) 135 more; issue 42's --init-from and --resume-from
+# 70 more.
+MAX_LINES = 850
+# Collective calls outside the scripts: 7 since issue 42, whose --init-from broadcasts (behind a call marked
+# collective) and whose plumbing/consolidate.py calls dcp.load without a process group (no collective there).
+MAX_HIDDEN_COLLECTIVES = 7
 # The collectives of torch.distributed, and DCP's save and load, which are collectives too.
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
                "broadcast_object_list", "barrier", "monitored_barrier", "gather", "gather_object", "scatter",
@@ -234,7 +237,7 @@ def collective_calls(path):
             and isinstance(node.func.value, ast.Name) and node.func.value.id in ("dist", "dcp")]
 
 
-def test_at_most_six_collectives_live_outside_the_scripts():
+def test_at_most_seven_collectives_live_outside_the_scripts():
     hidden = {p.relative_to(ROOT).as_posix(): collective_calls(p) for p in sorted([*ROOT.glob("plumbing/*.py"),
                                                                                      *ROOT.glob("models/*.py")])}
     assert sum(len(calls) for calls in hidden.values()) <= MAX_HIDDEN_COLLECTIVES, hidden
