@@ -44,7 +44,7 @@ try:
     seconds = []
     for step in range(args.repeats + 1):
         began = time.perf_counter()
-        checkpointer.save(step, {"epoch": 0, "samples_into_epoch": 0}, model, optimizer, 3e-3)
+        checkpointer.save(step, {"epoch": 0, "samples_into_epoch": 0}, model, optimizer, 3e-3, torch.zeros(()))
         seconds.append(time.perf_counter() - began)
     saved = Path(args.checkpoint_dir) / f"step-{args.repeats}"
     files = sum(f.stat().st_size for f in saved.iterdir())
