@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import ROOT
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from models import GPT, data, shakespeare
 from plumbing import core
@@ -81,6 +81,9 @@ def test_windows_tile_the_text_and_targets_are_the_next_characters(splits):
     assert all(map(torch.equal, train[1], (inputs[1], targets[1])))  # one by one too
     with pytest.raises(IndexError):
         train[len(train)]
+    loader = DataLoader(train, batch_size=3, sampler=[0, 1, len(train) - 1])  # as with --workers
+    loaded = next(iter(loader))
+    assert all(map(torch.equal, loaded, (inputs, targets)))
     assert len(shakespeare.datasets(splits, torch.device("cpu"), 64, stride=1)[1]) == 111_540 - 64
 
 
