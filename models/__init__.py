@@ -1,5 +1,6 @@
-"""The model and the data the three training scripts share: BabyCNN and the bundled datasets."""
+"""The models and the data the training scripts share: BabyCNN, the GPT and the bundled datasets."""
 
 from models.babycnn import BabyCNN
+from models.gpt import GPT
 
-__all__ = ["BabyCNN"]
+__all__ = ["GPT", "BabyCNN"]

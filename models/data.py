@@ -11,6 +11,9 @@ gzip-compressed or not, or torchvision's layout), downloaded by torchvision when
 offline, deterministic 10-class set of digit glyphs drawn from a small built-in bitmap font, for tests. ``find``
 looks for the files (downloading them where allowed) before the process group exists; ``load`` makes every rank
 agree on them and reads them.
+
+``shakespeare``: the text in models/tinyshakespeare/, for the GPT (models/gpt.py), as windows of
+characters (models/shakespeare.py); not among --dataset's choices until the scripts build the GPT.
 """
 
 import fcntl
@@ -57,6 +60,8 @@ def find(name, data_dir, download=True):
     if name == "auto" and data_dir is not None:  # never read: say so, rather than train on other data than asked
         raise DataError(f"--data-dir {data_dir} is not read with --dataset auto, which trains on the MNIST files in "
                         f"{BUNDLED}: add --dataset mnist to train on the MNIST files in {data_dir}")
+    if name == "shakespeare":  # the text in models/tinyshakespeare/: checked here, never downloaded
+        return _find_text(data_dir)
     data_dir = BUNDLED if name == "auto" else data_dir or "./data"  # auto: the copy that ships with the project
     found = {"name": name, "data_dir": os.path.abspath(data_dir), "missing": None, "broken": None,
              "node": f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"}
@@ -88,14 +93,21 @@ def find(name, data_dir, download=True):
     return found
 
 
-def load(found, device, dtype=torch.float32, workers=0, log=print):
+def load(found, device, dtype=torch.float32, workers=0, log=print, block_size=None):
     """Collective (every rank must call it): every rank sees every rank's ``find`` (an all_gather), so all of them
     train on the same dataset, ``auto`` included, or all stop with one line naming the node that lacks the files.
     Returns its name and the training and test splits as TensorDatasets of ``dtype`` images on ``device`` (in CPU
     memory for ``workers``: a DataLoader's worker processes cannot read CUDA tensors). ``log`` speaks for rank 0."""
+    # shakespeare: windows of block_size characters (default 64) and their targets, as int64 ids
     answers = [None] * dist.get_world_size()
     dist.all_gather_object(answers, {k: v for k, v in found.items() if k != "splits"})
     resolved = _agree(found["name"], answers, log)
+    if resolved == "shakespeare":  # windows of characters, ids on the device
+        from models import shakespeare  # here, not above: it imports this module
+
+        device = torch.device("cpu") if workers else device
+        block_size = block_size or shakespeare.BLOCK_SIZE
+        return resolved, *shakespeare.datasets(found["splits"], device, block_size)
     if resolved == "synthetic":
         (train_x, train_y), (test_x, test_y) = synthetic_digits(60_000, seed=0), synthetic_digits(10_000, seed=1)
     else:
@@ -109,6 +121,22 @@ def load(found, device, dtype=torch.float32, workers=0, log=print):
     shift = (-mean / std).view(1, -1, 1, 1).to(dtype)
     splits = [TensorDataset(x * scale + shift, y.to(device)) for x, y in ((train_x, train_y), (test_x, test_y))]
     return resolved, *splits
+
+
+def _find_text(data_dir):
+    """``find`` for Tiny Shakespeare: the text read and checked now, its vocabulary and splits."""
+    from models import shakespeare  # here, not above: it imports this module
+
+    if data_dir is not None:  # never read: say so, rather than train on other text than asked
+        raise DataError(f"--data-dir {data_dir} is not read with --dataset shakespeare, which "
+                        f"trains on the text in {shakespeare.FOLDER}: leave --data-dir out")
+    found = {"name": "shakespeare", "data_dir": shakespeare.FOLDER, "missing": None, "broken": None,
+             "node": f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"}
+    try:
+        found["splits"] = shakespeare.split(shakespeare.read())
+    except DataError as error:  # every rank hears it through load's agreement, naming the node
+        found["broken"], found["splits"] = str(error), None
+    return found
 
 
 _TORCHVISION = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "cifar10": "CIFAR10"}

@@ -214,7 +214,8 @@ def throughput(flops, samples_per_second, world_size, device, precision, gpu_nam
 
 @torch.no_grad()
 def evaluate(forward, batches, rank, world_size, pipeline=False):
-    """This replica's (loss sum, correct, count) of ``forward`` on its slice of ``batches.dataset``, to all-reduce.
+    """This replica's (loss sum, correct, count) of ``forward`` on its slice of ``batches.dataset``, to all-reduce,
+    over targets: logits (..., C), labels (...), a target a sample or a token (a language model's).
     All run as many batches (FSDP gathers in each), padded with sample 0, uncounted; ``pipeline``: full batches."""
     size, count = batches.batch_size, len(batches.dataset)
     shard, longest = torch.arange(count).tensor_split(world_size)[rank].tolist(), -(-count // world_size)
@@ -224,9 +225,10 @@ def evaluate(forward, batches, rank, world_size, pipeline=False):
         logits = forward(inputs, labels) if pipeline else forward(inputs)
         real = len(shard[i * size : (i + 1) * size])  # 0 in a batch of padding alone
         if logits is not None and real:
-            logits, labels = logits[:real].float(), labels[:real]
+            logits, labels = logits[:real].float().flatten(0, -2), labels[:real].flatten()
             totals += torch.stack([F.cross_entropy(logits, labels, reduction="sum").double(),
-                                   (logits.argmax(dim=1) == labels).sum().double(), labels.new_tensor(real).double()])
+                                   (logits.argmax(dim=1) == labels).sum().double(),
+                                   labels.new_tensor(labels.numel()).double()])
     return totals
 
 

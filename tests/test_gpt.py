@@ -1,0 +1,189 @@
+"""The GPT's foundations, with no launch: Tiny Shakespeare as it ships (checked, split, served as
+windows), the model (shapes, causality, its loss at init, that it learns, that blocks cut anywhere
+are the whole model, that the pipeline's start-up check takes it), and evaluation over targets."""
+
+import gzip
+import math
+import re
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from conftest import ROOT
+from torch.utils.data import DataLoader, TensorDataset
+
+from models import GPT, data, shakespeare
+from plumbing import core
+
+SHARED = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "README.md"  # where it came from
+TINY = {"vocab_size": 65, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}  # fast configs
+
+
+def checksums(readme):
+    """(bytes, sha256) of input.txt from a README's table."""
+    row = re.search(r"(?m)^\| input\.txt \| ([\d,]+) \| ([0-9a-f]{64}) \|$", readme.read_text())
+    return int(row.group(1).replace(",", "")), row.group(2)
+
+
+@pytest.fixture(scope="module")
+def splits():
+    return shakespeare.split(shakespeare.read())
+
+
+def test_the_bundled_text_is_the_original_tiny_shakespeare_split_as_nanogpt_splits_it(splits):
+    table = checksums(ROOT / "models" / "tinyshakespeare" / "README.md")
+    assert table == (shakespeare.SIZE, shakespeare.SHA256)  # the README says what read() checks
+    if SHARED.exists():  # the table the file came with
+        assert checksums(SHARED) == table
+    vocabulary, train_ids, val_ids = splits
+    assert vocabulary == "\n !$&',-.3:;?" + "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+    assert (len(train_ids), len(val_ids)) == (1_003_854, 111_540)  # nanoGPT's prepare.py's figures
+    assert train_ids.dtype == torch.int64 and int(train_ids.max()) == 64
+    train, _ = shakespeare.datasets(splits, torch.device("cpu"))
+    assert train.decode(train_ids[:14]) == "First Citizen:"
+
+
+def test_a_damaged_copy_is_refused_in_one_line(tmp_path):
+    original = gzip.decompress((ROOT / "models" / "tinyshakespeare" / "input.txt.gz").read_bytes())
+    path = tmp_path / "input.txt.gz"
+    edited = original.replace(b"First Citizen", b"First Citizan", 1)  # one letter
+    for damage, error in [
+        (gzip.compress(edited), r"is not the original Tiny Shakespeare: 1,115,394 bytes of SHA"),
+        (gzip.compress(original[:-1]), r"is not the original Tiny Shakespeare: 1,115,393 bytes"),
+        (gzip.compress(original)[:1000], r"is a damaged gzip archive"),
+        (None, r"is missing"),
+    ]:
+        path.unlink(missing_ok=True)
+        if damage is not None:
+            path.write_bytes(damage)
+        with pytest.raises(data.DataError, match=f"^{re.escape(str(path))} {error}") as caught:
+            shakespeare.read(tmp_path)
+        message = str(caught.value)
+        assert "\n" not in message
+        assert message.endswith("restore it (git checkout models/tinyshakespeare)")
+    shutil.copy(ROOT / "models" / "tinyshakespeare" / "input.txt.gz", path)  # the control
+    assert len(shakespeare.read(tmp_path)) == shakespeare.SIZE
+
+
+def test_windows_tile_the_text_and_targets_are_the_next_characters(splits):
+    train_ids = splits[1]
+    train, val = shakespeare.datasets(splits, torch.device("cpu"), block_size=64)
+    # Windows of 65 characters every 64: each character but the first is a target once an epoch.
+    assert len(train) == (1_003_854 - 65) // 64 + 1 == 15_685
+    assert len(val) == (111_540 - 65) // 64 + 1 == 1_742
+    assert train.vocab_size == 65
+    inputs, targets = train[torch.tensor([0, 1, len(train) - 1])]  # core.Batches gathers so
+    assert inputs.shape == targets.shape == (3, 64) and inputs.is_contiguous()
+    assert torch.equal(inputs[1], train_ids[64:128]) and torch.equal(targets[1], train_ids[65:129])
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])  # shifted by one
+    assert all(map(torch.equal, train[1], (inputs[1], targets[1])))  # one by one too
+    with pytest.raises(IndexError):
+        train[len(train)]
+    loader = DataLoader(train, batch_size=3, sampler=[0, 1, len(train) - 1])  # as with --workers
+    loaded = next(iter(loader))
+    assert all(map(torch.equal, loaded, (inputs, targets)))
+    assert len(shakespeare.datasets(splits, torch.device("cpu"), 64, stride=1)[1]) == 111_540 - 64
+
+
+def test_find_and_load_serve_the_text_to_the_scripts():
+    found = data.find("shakespeare", None)
+    assert found["broken"] is None and found["missing"] is None
+    with pytest.raises(data.DataError, match=r"^--data-dir mine is not read with --dataset shake"):
+        data.find("shakespeare", "mine")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # a collective
+    try:
+        name, train, val = data.load(found, torch.device("cpu"), block_size=32)
+    finally:
+        dist.destroy_process_group()
+    assert name == "shakespeare" and train.block_size == val.block_size == 32
+    batches = core.Batches(val, 8, torch.device("cpu"), torch.float32)
+    assert batches.loader is None  # gathered on the device, no DataLoader
+    inputs, targets = next(batches(list(range(8))))
+    assert inputs.shape == targets.shape == (8, 32) and inputs.dtype == torch.int64
+
+
+def test_the_gpt_maps_ids_to_logits_causally_from_the_seed():
+    torch.manual_seed(0)
+    model = GPT()
+    assert sum(p.numel() for p in model.parameters()) == 818_176  # nanoGPT's CPU recipe, untied
+    assert [type(b).__name__ for b in model.blocks] == ["Embed", *["Block"] * 4, "Head"]
+    ids = torch.randint(0, 65, (3, 64), generator=torch.Generator().manual_seed(1))
+    logits = model(ids)
+    assert logits.shape == (3, 64, 65)
+    changed = ids.clone()
+    changed[:, 40] = (changed[:, 40] + 1) % 65  # a later token: the logits before it do not move
+    after = model(changed)
+    assert torch.equal(after[:, :40], logits[:, :40])
+    assert not torch.allclose(after[:, 40:], logits[:, 40:])
+    with pytest.raises(ValueError, match="65 tokens, but the GPT's context"):
+        model(torch.zeros(1, 65, dtype=torch.int64))
+    # From the seed alone, whatever the dtype: a float64 model starts from the float32 one's values.
+    torch.manual_seed(0)
+    again = GPT(dtype=torch.float64)
+    assert all(torch.equal(a.double(), b) for a, b in zip(model.parameters(), again.parameters()))
+
+
+def test_its_loss_at_init_is_that_of_a_uniform_guess_and_it_overfits_a_batch(splits):
+    torch.manual_seed(0)
+    train, _ = shakespeare.datasets(splits, torch.device("cpu"), block_size=64)
+    inputs, targets = train[torch.arange(12)]
+    model = GPT()
+    loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+    assert abs(loss.item() - math.log(65)) < 0.05  # small logits (std 0.02 weights): near uniform
+    torch.manual_seed(0)
+    small = GPT(**TINY)
+    inputs, targets = train[torch.arange(8)]
+    inputs, targets = inputs[:, :16], targets[:, :16]
+    optimizer = torch.optim.AdamW(small.parameters(), lr=3e-3, weight_decay=0.0)
+    for _ in range(100):
+        loss = F.cross_entropy(small(inputs).flatten(0, 1), targets.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 1.0  # from 4.17 in 100 steps: it learns (128 targets, 30 k parameters)
+
+
+def test_blocks_cut_anywhere_are_the_whole_model_and_the_pipeline_takes_it():
+    from train_pippy import balanced_stages, block_flops
+
+    torch.manual_seed(0)
+    model = GPT(**TINY, dropout=0.1).eval()  # eval: dropout off
+    ids = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(1))
+    whole = model(ids)
+    for cut in range(1, len(model.blocks)):
+        x = ids
+        for stage in (model.blocks[:cut], model.blocks[cut:]):  # two stages, as train_pippy.py's
+            x = stage(x)
+        assert torch.equal(x, whole), cut
+    # The start-up check: the blocks run in order are the forward; matrix multiplies' FLOPs by block
+    costs = block_flops(model, ids[:1])
+    linears = 2 * 16 * (4 * 32 * 32 + 2 * 32 * 128)  # q, k, v, proj; fc, proj: 2 FLOPs a MAC
+    # torch 2.14's FlopCounterMode counts no attention on the CPU (the fused kernel): blocks equal.
+    assert costs[0] == 0 and costs[1] == costs[2] >= linears and costs[3] == 2 * 16 * 32 * 65
+    assert balanced_stages(costs, 2) == [[0, 1], [2, 3]]
+
+
+def test_evaluation_counts_targets_not_samples():
+    """core.evaluate over a fake forward with known logits: a language model's (B, T, C) logits and
+    (B, T) labels give the loss per target and the accuracy of next-token prediction, and (B, C)
+    logits (BabyCNN's) per sample, as before; over 2 ranks, with padding, the sums add up."""
+    samples, tokens, classes = 5, 4, 3
+    labels = torch.arange(samples * tokens).remainder(classes).view(samples, tokens)  # 0, 1, 2, 0
+    inputs = torch.arange(samples, dtype=torch.float32).view(samples, 1)  # the sample's index
+
+    def forward(x):  # class 0 scores log 2, the others 0: a loss of log 4 - log 2 where 0 is right
+        logits = torch.zeros(*x.shape[:1], *([tokens] if dense else []), classes)
+        logits[..., 0] = math.log(2)
+        return logits
+
+    for dense in (True, False):
+        y = labels if dense else labels[:, 0]
+        batches = core.Batches(TensorDataset(inputs, y), 2, torch.device("cpu"), torch.float32)
+        totals = sum(core.evaluate(forward, batches, rank, 2) for rank in range(2))  # 3 + 2 samples
+        right = int((y == 0).sum())
+        loss = right * math.log(2) + (y.numel() - right) * math.log(4)  # -log(2/4), -log(1/4)
+        assert totals.tolist() == pytest.approx([loss, right, y.numel()])
+        loss_per_target, accuracy = (totals[:2] / totals[2]).tolist()  # as the scripts divide
+        assert loss_per_target == pytest.approx(loss / y.numel()) and accuracy == right / y.numel()
