@@ -100,7 +100,7 @@ def test_a_copy_killed_mid_run_resumes_bitwise_running_statistics_included(scrip
     os.kill(worker_pids(killed.process.pid)[1], signal.SIGKILL)
     succeeded(never)
     succeeded(killed)
-    assert f"resumed from killed/step-" in killed.output, killed.output
+    assert "resumed from killed/step-" in killed.output, killed.output
     final, reference = load_weights(project / "killed.pt"), load_weights(project / "never.pt")
     assert "blocks.1.running_mean" in final and "blocks.1.running_var" in final
     assert max_difference(final, reference) == 0, {name: (final[name] - reference[name]).abs().max().item()
