@@ -50,7 +50,8 @@ def run(main, *also):
         _end("stopped by SIGINT during start-up", 130)
     except Exception as error:
         if line := transient(error):  # each failed rank's own line: the launcher prints the first
-            _end(f"error: {line}: torchrun's restarts (MAX_RESTARTS) try again", RETRY_EXIT,
+            _end(f"error: {line}; it may pass on a retry (exit code 75: torchrun restarts it while MAX_RESTARTS "
+                 "allows)", RETRY_EXIT,
                  rank=-1 if os.environ.get("TORCHELASTIC_ERROR_FILE") else 0)
         if "TORCHELASTIC_ERROR_FILE" not in os.environ:
             raise
@@ -239,7 +240,7 @@ class Checkpointer:
                  "rng": {f"rank{dist.get_rank()}": self._random_states()}}
         local = [getattr(t, "_local_tensor", t) for t in tree_leaves(state) if torch.is_tensor(t)]
         local = [t for t in local if t.is_floating_point()] + [window_loss]
-        finite = torch.stack([t.isfinite().all() for t in local]).all().to(self.device, torch.int32)  # one sync
+        finite = torch.stack([t.isfinite().all().to(self.device) for t in local]).all().to(torch.int32)  # one sync
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         if not finite:
             raise self.diverged(step, "a weight, an optimizer state or the loss is not finite")
