@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import (
     ROOT, Run, assert_one_line_error, launch, launcher_env, load_weights, max_difference, mnist_args, succeeded, torchrun,
-    worker_pids,
+    wait_for, worker_pids,
 )
 from plumbing import core, hardening
 
@@ -53,7 +53,7 @@ def big_uninterrupted(mnist_dir, tmp_path_factory):
     return directory
 
 
-@pytest.mark.parametrize("window", ["load", "save"])
+@pytest.mark.parametrize("window", ["load", pytest.param("save", marks=pytest.mark.slow)])
 def test_a_peer_lost_while_the_others_load_or_save_a_checkpoint_is_retried(window, big_uninterrupted, mnist_dir,
                                                                           tmp_path):
     """Rank 1 is killed while it reads its part of step-2 (resuming) or writes its part of step-4: the job restarts
@@ -107,44 +107,32 @@ def test_a_run_that_diverges_between_checkpoints_saves_nothing_non_finite(mnist_
     assert saved, "the run diverged before its first checkpoint: lower --lr in this test"
 
 
-SIGNALS = [signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT]
-
-
-def test_every_stop_signal_stops_every_rank_within_about_a_second_with_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("number", [signal.SIGTERM, *(pytest.param(n, marks=pytest.mark.slow)
+                                                      for n in (signal.SIGHUP, signal.SIGQUIT))], ids=lambda n: n.name)
+def test_every_stop_signal_stops_every_rank_within_about_a_second_with_a_checkpoint(number, tmp_path):
     """SIGTERM, SIGHUP and SIGQUIT to the launcher (SIGINT and SIGUSR1: test_cluster.py), with --log-every larger than
     the run: torchrun passes each on, and the ranks agree on it within about a second of training. The signal is
     sent when step-20's checkpoint appears; the stop must come within 3 seconds' steps of it (the agreement's bound is
     one second, its interval at most doubles, and the poll here adds some), by the run's own rate. The old plumbing
     stopped at the next logging step (the end of the run here); SIGHUP and SIGQUIT killed the workers unsaved."""
-    runs = {}
-    for number in SIGNALS:  # the bundled MNIST: 60,000 images, 1,875 steps an epoch at global batch 32
-        directory = tmp_path / number.name
-        runs[number] = Run(["bash", ROOT / "run_ddp.sh", "--batch-size", "16", "--max-steps", "5000", "--log-every",
-                            "100000", "--checkpoint-every", "20", "--checkpoint-dir", directory / "ck", "--log-dir",
-                            directory / "log", "--no-eval"], env=launcher_env(NPROC_PER_NODE=2))
-    pending = dict(runs)
-    deadline = time.monotonic() + 180
-    while pending and time.monotonic() < deadline:
-        for number, run in list(pending.items()):
-            if (tmp_path / number.name / "ck" / "step-20").exists():
-                run.process.send_signal(number)
-                del pending[number]
-            elif run.process.poll() is not None:
-                pytest.fail(run.output)
-        time.sleep(0.01)
-    for number, run in runs.items():
-        run.wait()
-        assert run.returncode == 128 + number, run.output
-        stopped = re.search(rf"stopped by {number.name} at step (\d+) of \d+: checkpoint step-(\d+) is in", run.output)
-        assert stopped and stopped.group(1) == stopped.group(2), run.output
-        step = int(stopped.group(1))
-        assert (tmp_path / number.name / "ck" / f"step-{step}" / "checkpoint.json").exists()
-        # The stop's own row closes the CSV: the loss since the last row, and the rate, at the stop step
-        with open(tmp_path / number.name / "log" / "metrics.csv", newline="") as file:
-            last = list(csv.DictReader(file))[-1]
-        steps_per_second = float(last["samples_per_second"]) / 32
-        assert int(last["step"]) == step and math.isfinite(float(last["train_loss"])), last
-        assert 20 < step <= 20 + 3 * steps_per_second + 2, (step, steps_per_second)
+    # The bundled MNIST: 60,000 images, 1,875 steps an epoch at global batch 32
+    run = Run(["bash", ROOT / "run_ddp.sh", "--batch-size", "16", "--max-steps", "5000", "--log-every", "100000",
+               "--checkpoint-every", "20", "--checkpoint-dir", tmp_path / "ck", "--log-dir", tmp_path / "log",
+               "--no-eval"], env=launcher_env(NPROC_PER_NODE=2))
+    wait_for(tmp_path / "ck" / "step-20", run)
+    run.process.send_signal(number)
+    run.wait()
+    assert run.returncode == 128 + number, run.output
+    stopped = re.search(rf"stopped by {number.name} at step (\d+) of \d+: checkpoint step-(\d+) is in", run.output)
+    assert stopped and stopped.group(1) == stopped.group(2), run.output
+    step = int(stopped.group(1))
+    assert (tmp_path / "ck" / f"step-{step}" / "checkpoint.json").exists()
+    # The stop's own row closes the CSV: the loss since the last row, and the rate, at the stop step
+    with open(tmp_path / "log" / "metrics.csv", newline="") as file:
+        last = list(csv.DictReader(file))[-1]
+    steps_per_second = float(last["samples_per_second"]) / 32
+    assert int(last["step"]) == step and math.isfinite(float(last["train_loss"])), last
+    assert 20 < step <= 20 + 3 * steps_per_second + 2, (step, steps_per_second)
 
 
 def test_the_launcher_passes_on_the_signals_the_workers_catch():

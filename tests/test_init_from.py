@@ -46,6 +46,7 @@ def test_every_strategy_starts_from_the_file_as_one_process_does(layout, trained
     assert relative_difference(load_weights(tmp_path / "final.pt"), reference, initial) < TOLERANCE
 
 
+@pytest.mark.slow  # four launches
 def test_a_file_that_does_not_fit_is_one_line_and_a_checkpoint_wins_over_it(trained, mnist_dir, tmp_path):
     wide = tmp_path / "wide.pt"
     torch.save({name: torch.zeros(2, *t.shape[1:]) if name == "blocks.0.conv1.weight" else t
