@@ -268,9 +268,9 @@ class Checkpointer:
         needed = sum(getattr(t, "_local_tensor", t).nbytes for t in tree_leaves(state) if torch.is_tensor(t))
         why = cannot_write(temporary, cause, needed)
         shutil.rmtree(temporary, ignore_errors=True)
-        os_error = cause if isinstance(cause, OSError) else cause.__context__
-        if isinstance(error, UsageError) or (isinstance(os_error, OSError) and (
-                os_error.errno in USER_ERRNOS or why.startswith("the disk is full"))):
+        os_error = cause if isinstance(cause, OSError) else cause.__context__  # torch.save may hide it (2.9: always)
+        if isinstance(error, UsageError) or why.startswith("the disk is full") or (
+                isinstance(os_error, OSError) and os_error.errno in USER_ERRNOS):
             return UsageError(f"checkpoint step-{step} was not written to {self.directory} ({why}): the ones saved "
                               "before it are intact; fix that, and the same command resumes from them")
         return Retryable(f"checkpoint step-{step} was not written to {self.directory} ({why}); the ones saved "
