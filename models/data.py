@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from plumbing import core
+from plumbing.training import number
 
 NUM_CLASSES = 10  # every one of them: ten digits, ten garments, ten CIFAR classes
 BUNDLED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mnist")  # --dataset auto
@@ -43,7 +43,7 @@ class DataError(Exception):
 
 def add_arguments(parser):  # the bundled model's and data's flags: a copy with its own leaves them out
     add = parser.add_argument
-    add("--width", type=core.number(int, 1), default=1, help="BabyCNN channel multiplier (parameters grow with its "
+    add("--width", type=number(int, 1), default=1, help="BabyCNN channel multiplier (parameters grow with its "
         "square)")
     add("--dataset", choices=("auto", "synthetic", *_TORCHVISION), default="auto",
         help="auto: the MNIST files in models/mnist/, no network; mnist: a copy in --data-dir; synthetic: for tests")

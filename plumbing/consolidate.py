@@ -32,8 +32,9 @@ def newest(directory):
     # Only complete saves are named step-<N>: a save is renamed from .tmp-step-<N> once written.
     steps = [n for n in os.listdir(directory) if n.startswith("step-") and n[5:].isdigit()]
     if not steps:
-        raise UsageError(f"{directory} is not a checkpoint: it has no checkpoint.json and no "
-                         "step-<N>")
+        raise UsageError(
+            f"{directory} is not a checkpoint: it has no checkpoint.json and no step-<N>"
+        )
     return os.path.join(directory, max(steps, key=lambda n: int(n[5:])))
 
 
@@ -53,8 +54,9 @@ def consolidate(directory, out):
         if key.startswith(PREFIX) and key in saved:
             if not isinstance(saved[key], TensorStorageMetadata):
                 raise UsageError(f"checkpoint {path}: {key} is not a tensor, as --save's are")
-            tensors[key[len(PREFIX):]] = torch.empty(saved[key].size,
-                                                     dtype=saved[key].properties.dtype)
+            tensors[key[len(PREFIX) :]] = torch.empty(
+                saved[key].size, dtype=saved[key].properties.dtype
+            )
     if not tensors:
         raise UsageError(f"checkpoint {path} holds no {PREFIX}* tensors: not one of these scripts'")
     state = {"model": tensors}
@@ -65,17 +67,23 @@ def consolidate(directory, out):
     # is finite holds temporaries up to 3 x the largest, and Checkpointer.save saved finite ones.
     size = sum(t.nbytes for t in tensors.values())
     write_atomically(out, lambda file: torch.save(state["model"], file), size)
-    return (f"wrote {out}: the model of {path} (step {info['step']}, saved by "
-            f"{info['layout']['world_size']} rank(s)), {len(tensors)} tensors, {size / 1e6:.1f} MB")
+    return (
+        f"wrote {out}: the model of {path} (step {info['step']}, saved by "
+        f"{info['layout']['world_size']} rank(s)), {len(tensors)} tensors, {size / 1e6:.1f} MB"
+    )
 
 
 # Not named main: tests/test_template.py follows collectives by function name, and a main that
 # calls dcp.load would mark hardening.run, which calls the scripts' main, as one.
 def command(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m plumbing.consolidate",
-                                     description=__doc__.splitlines()[0].split(": ", 1)[1])
-    parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
-                        help="a step-<N> directory, or a --checkpoint-dir (its newest step-<N>)")
+    parser = argparse.ArgumentParser(
+        prog="python -m plumbing.consolidate", description=__doc__.splitlines()[0].split(": ", 1)[1]
+    )
+    parser.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT_DIR",
+        help="a step-<N> directory, or a --checkpoint-dir (its newest step-<N>)",
+    )
     parser.add_argument("out", metavar="OUT.pt", help="the file to write (replaced atomically)")
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,422 @@
+"""Checkpoints and files: DCP checkpoints that resume anywhere, --init-from, whole-file writes."""
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.utils._pytree import tree_leaves
+
+from plumbing.failures import USER_ERRNOS, Retryable, UsageError, on_rank_0, transient
+
+FORMAT = 4  # of checkpoint.json: 4 holds the peak lr
+
+
+def write_atomically(path, write, size=0):
+    """``write(file)`` into a temporary file beside ``path``, renamed when complete.
+
+    Never half a file: a full disk or a read-only directory is one line, the old file kept.
+    """
+    folder, name = os.path.split(os.path.abspath(path))
+    temporary = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
+    try:
+        with open(temporary, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except (OSError, RuntimeError) as error:  # torch.save's RuntimeError may hide an OSError
+        if not isinstance(error, OSError) and not isinstance(error.__context__, OSError):
+            raise
+        if os.path.exists(temporary):  # before the free space is measured
+            size = max(size, os.path.getsize(temporary))
+            os.remove(temporary)
+        raise UsageError(f"{path} was not written ({cannot_write(path, error, size)})") from None
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def cannot_write(path, error, needed=0):
+    """Why a write failed; for a full disk, the room left (torch.save may hide its OSError)."""
+    error = error.__context__ if isinstance(error.__context__, OSError) else error
+    free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    if getattr(error, "errno", None) == errno.ENOSPC or free < needed:
+        return (
+            f"the disk is full: {free / 1e6:.1f} MB are free there, "
+            f"this needs at least {needed / 1e6:.1f} MB"
+        )
+    return getattr(error, "strerror", None) or " ".join(str(error).split())
+
+
+def save_state_dict(state_dict, path):
+    """Plain CPU tensors, which torch.load(weights_only=True) reads; finite ones only."""
+    state_dict = {name: tensor.detach().cpu() for name, tensor in state_dict.items()}
+    for name, tensor in state_dict.items():
+        if tensor.is_floating_point() and not tensor.isfinite().all():
+            raise UsageError(
+                f"{path} was not written: {name} is not finite (training diverged); "
+                "lower --lr or raise --warmup-steps"
+            )
+    size = sum(t.nbytes for t in state_dict.values())
+    write_atomically(path, lambda file: torch.save(state_dict, file), size)
+
+
+def save_json(value, path):
+    write_atomically(path, lambda file: file.write((json.dumps(value, indent=2) + "\n").encode()))
+
+
+def init_from(model, path, log):
+    """Collective: the weights in ``path`` into ``model``, whole on every rank.
+
+    ``path``: a state dict saved by torch.save, or a .safetensors file. Rank 0 reads it and
+    checks its names and shapes, then broadcasts each tensor: a node holds the file's weights
+    once, not once per rank. Call it before the model is wrapped, sharded or cut.
+    """
+    expected = model.state_dict()
+
+    def read():  # rank 0: the file's tensors, or a UsageError naming the first that does not fit
+        if not os.path.isfile(path):
+            raise UsageError(f"--init-from {path}: no such file")
+        try:
+            if path.endswith(".safetensors"):
+                from safetensors.torch import load_file  # optional: pip install safetensors
+
+                weights = load_file(path)
+            else:  # weights_only: no pickled code runs
+                weights = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except ImportError:
+            why = "reading .safetensors needs pip install safetensors"
+            raise UsageError(f"--init-from {path}: {why}") from None
+        except Exception as error:  # not a state dict of tensors: the errors vary
+            why = " ".join(str(error).split())[:200]
+            raise UsageError(f"--init-from {path} is not a file of weights ({why})") from None
+        if not isinstance(weights, dict) or not all(map(torch.is_tensor, weights.values())):
+            raise UsageError(f"--init-from {path} holds no state dict of tensors")
+        misfit = f"--init-from {path} does not fit this model"
+        for name, tensor in expected.items():
+            if name not in weights:
+                raise UsageError(f"{misfit}: it has no {name}")
+            if weights[name].shape != tensor.shape:
+                there, here = list(weights[name].shape), list(tensor.shape)
+                raise UsageError(f"{misfit}: {name} is {there} there, {here} here")
+        if extra := sorted(set(weights) - set(expected)):
+            raise UsageError(f"{misfit}: it has {extra[0]}, which this model lacks")
+        return weights
+
+    weights = on_rank_0(read, f"reading --init-from {path}", share=False)  # None elsewhere
+    with torch.no_grad():
+        for name, tensor in expected.items():
+            if weights is not None:
+                tensor.copy_(weights[name])
+            dist.broadcast(tensor, src=0)
+    log(f"initialised the model from {path}; the optimizer and the lr schedule start afresh")
+
+
+def _local(state):  # a state's tensors, each rank's own part of a DTensor
+    return [getattr(t, "_local_tensor", t) for t in tree_leaves(state) if torch.is_tensor(t)]
+
+
+def _first_cause(error):  # DCP's CheckpointException holds {rank: (exception, traceback)}
+    return next(iter(getattr(error, "failures", {}).values()), [error])[0]
+
+
+class Checkpointer:
+    """``step-<N>`` in --checkpoint-dir, which every rank must see.
+
+    DCP's files, each rank's part by parameter name (any strategy resumes any other's), and
+    checkpoint.json: layout, position, peak lr, each file's SHA-256 (none in DCP).
+    """
+
+    def __init__(self, args, dataset_name, global_batch_size, device):
+        self.args, self.directory, self.device = args, args.checkpoint_dir, device
+        self.layout = {"dataset": dataset_name, "world_size": dist.get_world_size()}
+        self.layout |= {"global_batch_size": global_batch_size, "device": device.type}
+        self.branch = None  # (rank 0's) the --resume-from this run's checkpoints descend from
+
+    def save(self, step, position, model, optimizer, peak_lr, window_loss):
+        """Collective: save ``step-<N>``, if every weight, state and the loss are finite.
+
+        The ranks agree on that (``window_loss``: the loss since the last logging step), or
+        refuse (``diverged``); all write their part into .tmp-step-<N>; rank 0 hashes the
+        files, adds checkpoint.json and renames the folder.
+        """
+        final = os.path.join(self.directory, f"step-{step}")
+        temporary = os.path.join(self.directory, f".tmp-step-{step}")
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        rng = {f"rank{dist.get_rank()}": self._random_states()}
+        state = {"model": model_state, "optimizer": optimizer_state["state"], "rng": rng}
+        checked = [t for t in _local(state) if t.is_floating_point()] + [window_loss]
+        finite = torch.stack([t.isfinite().all().to(self.device) for t in checked]).all()
+        finite = finite.to(torch.int32)  # one sync for them all
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not finite:
+            raise self.diverged(step, "a weight, an optimizer state or the loss is not finite")
+        try:
+            dcp.save(state, checkpoint_id=temporary)  # raises on every rank if one rank's fails
+        except (OSError, RuntimeError, CheckpointException) as error:
+            raise self._not_written(step, temporary, error, state) from None
+
+        def finish():  # rank 0, once dcp.save has returned: every rank's files are written
+            try:
+                names = sorted(os.listdir(temporary))
+                files = {name: _fingerprint(os.path.join(temporary, name)) for name in names}
+                info = {"format": FORMAT, "layout": self.layout, "step": step, **position}
+                info |= {"peak_lr": peak_lr, "branch": self.branch, "files": files}
+                save_json(info, os.path.join(temporary, "checkpoint.json"))
+                shutil.rmtree(final, ignore_errors=True)  # the same step saved before (a rerun)
+                os.replace(temporary, final)
+            except (OSError, UsageError) as error:
+                raise self._not_written(step, temporary, error, state) from None
+            self._remove_strays()
+            for old in self._list_complete()[: -self.args.keep_checkpoints]:
+                shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
+
+        # Nobody exits or saves again before rank 0 is done.
+        on_rank_0(finish, f"finishing checkpoint step-{step}")
+
+    def _not_written(self, step, temporary, error, state):
+        """The disk's or its permissions' UsageError, or else a Retryable."""
+        cause = _first_cause(error)
+        why = cannot_write(temporary, cause, sum(t.nbytes for t in _local(state)))
+        shutil.rmtree(temporary, ignore_errors=True)
+        os_error = cause if isinstance(cause, OSError) else cause.__context__  # 2.9 hides it
+        user = isinstance(os_error, OSError) and os_error.errno in USER_ERRNOS
+        line = f"checkpoint step-{step} was not written to {self.directory} ({why})"
+        if isinstance(error, UsageError) or why.startswith("the disk is full") or user:
+            return UsageError(
+                f"{line}: the ones saved before it are intact; "
+                "fix that, and the same command resumes from them"
+            )
+        return Retryable(f"{line}; the ones saved before it are intact")
+
+    def diverged(self, step, what):
+        """The UsageError of a run that diverged at ``step``, naming the newest checkpoint.
+
+        Every checkpoint is finite (save refuses any other): a rerun with a lower lr goes on.
+        """
+        if not self.directory:
+            saved = "nothing was saved: no --checkpoint-dir"
+        elif complete := self._list_complete():
+            newest = os.path.join(self.directory, complete[-1])
+            saved = (
+                f"nothing after {complete[-1]} was saved; the same command resumes from "
+                f"{newest}, which is finite, as every checkpoint is"
+            )
+        else:
+            saved = f"no checkpoint is in {self.directory}: a rerun starts from step 0"
+        return UsageError(
+            f"{what} at step {step}: training diverged; lower --lr or raise --warmup-steps, "
+            f"or it diverges again ({saved})"
+        )
+
+    def _random_states(self):  # this rank's generators: the CPU's, and its GPU's
+        states = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            states["cuda"] = torch.cuda.get_rng_state(self.device)
+        return states
+
+    def _names(self):
+        has_folder = self.directory and os.path.isdir(self.directory)
+        return os.listdir(self.directory) if has_folder else []
+
+    def _list_complete(self):  # the complete checkpoints' names, oldest first
+        names = [n for n in self._names() if n.startswith("step-") and n[5:].isdigit()]
+        return sorted(names, key=lambda name: int(name[5:]))
+
+    def _remove_strays(self):  # crashed saves' .tmp-step-<N>
+        for stray in (n for n in self._names() if n.startswith(".tmp-step-")):
+            shutil.rmtree(os.path.join(self.directory, stray), ignore_errors=True)
+
+    def check_outputs(self):
+        """Collective: rank 0 writes where each output goes, to fail now, not after training."""
+        on_rank_0(self._check_outputs, "checking the outputs")
+
+    def _check_outputs(self):
+        args = self.args
+        if args.save and args.metrics:
+            if os.path.abspath(args.save) == os.path.abspath(args.metrics):
+                raise UsageError(
+                    f"--save and --metrics are both {args.save}: the metrics would replace "
+                    "the weights; give two paths"
+                )
+        outputs = [("--checkpoint-dir", args.checkpoint_dir, True), ("--save", args.save, False)]
+        outputs += [("--metrics", args.metrics, False), ("--log-dir", args.log_dir, True)]
+        for flag, path, folder in outputs:
+            if not path:
+                continue
+            try:
+                wrong = os.path.exists(path) and os.path.isdir(path) != folder
+                if folder and wrong:
+                    raise OSError("it is a file, not a directory")
+                if not folder and (wrong or path.endswith("/")):
+                    raise OSError("it names a directory, not a file")
+                directory = path if folder else os.path.dirname(os.path.abspath(path))
+                os.makedirs(directory, exist_ok=True)
+                tempfile.TemporaryFile(dir=directory).close()  # a real write there
+            except OSError as error:
+                why = error.strerror or error
+                raise UsageError(f"{flag} {path}: cannot write there ({why})") from None
+
+    def resume(self, model, optimizer, peak_lr, log):
+        """Collective: every rank loads its part of the newest intact checkpoint, if any.
+
+        Rank 0 finds it (or checks --resume-from's). Returns where training goes on: step,
+        epoch, samples_into_epoch.
+        """
+        found = on_rank_0(lambda: self._newest_intact(log), "finding a checkpoint")
+        if found is None:
+            return {"step": 0, "epoch": 0, "samples_into_epoch": 0}
+        path, info = found
+        # Not before: get_state_dict steps a fresh optimizer.
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        tensors = {"model": model_state, "optimizer": optimizer_state["state"]}
+        same_ranks = all(info["layout"].get(k) == self.layout[k] for k in ("world_size", "device"))
+        if same_ranks:  # random states: each rank's own
+            tensors["rng"] = {f"rank{dist.get_rank()}": self._random_states()}
+        try:
+            dcp.load(tensors, checkpoint_id=path)
+        except (Exception, CheckpointException) as error:  # the same on every rank
+            cause = _first_cause(error)
+            # Its files match their SHA-256s: a name or a shape this model lacks is another
+            # model's checkpoint; anything else (a peer lost) may pass on a retry.
+            if isinstance(cause, (ValueError, KeyError)) or str(cause).startswith("Missing key"):
+                why = " ".join(str(cause).split())[:200]
+                raise UsageError(
+                    f"checkpoint {path} does not load into this run ({why}): another model's? "
+                    "use another --checkpoint-dir"
+                ) from None
+            why = transient(cause) or type(cause).__name__
+            line = f"checkpoint {path} was not loaded ({why}): it is intact (its SHA-256s match)"
+            raise Retryable(line) from None
+        optimizer_state["state"] = tensors["optimizer"]
+        set_state_dict(
+            model, optimizer, model_state_dict=tensors["model"], optim_state_dict=optimizer_state
+        )
+        for kind, state in tensors.get("rng", {}).get(f"rank{dist.get_rank()}", {}).items():
+            if kind == "cpu":
+                torch.set_rng_state(state)
+            else:
+                torch.cuda.set_rng_state(state, self.device)
+        log(f"resumed from {path} (step {info['step']}, epoch {info['epoch'] + 1})")
+        if self.args.init_from:  # a restarted or requeued job goes on; it does not start over
+            log(f"--init-from {self.args.init_from} is not used: the checkpoint is newer")
+        if info["peak_lr"] != peak_lr:  # another --lr, or another global batch with --scale-lr
+            log(
+                f"the peak lr is now {peak_lr:g}, not the checkpoint's {info['peak_lr']:g}: "
+                "the schedule goes on"
+            )
+        saved, batch = info["samples_into_epoch"], self.layout["global_batch_size"]
+        back = saved % batch  # steps start at multiples of the global batch
+        if back:
+            log(
+                f"the global batch changed from {info['layout']['global_batch_size']} to {batch}: "
+                f"epoch {info['epoch'] + 1} continues at sample {saved - back}, not {saved}, "
+                f"so {back} samples are seen twice"
+            )
+        return {**info, "samples_into_epoch": saved - back}
+
+    def _newest_intact(self, log):
+        """On rank 0: (path, checkpoint.json) or None; --resume-from's, if given."""
+        found, chosen = self._newest_in_directory(log), self.args.resume_from
+        self.branch = found[1].get("branch") if found else None  # in the checkpoints it saves
+        if not chosen:
+            return found
+        if found and self.branch == chosen:  # a rerun of the same command (a requeue, a restart)
+            log(f"--resume-from {chosen} was applied before: its branch goes on from {found[0]}")
+            return found
+        # step-<N> in --checkpoint-dir, or a path
+        path = chosen if os.sep in chosen else os.path.join(self.directory or ".", chosen)
+        info, problem = _verify(path, self.layout)
+        if problem:
+            raise UsageError(f"--resume-from {chosen} is not an intact checkpoint ({problem})")
+        newer = [name for name in self._list_complete() if int(name[5:]) > info["step"]]
+        for name in newer:  # never resumed from again, never deleted
+            aside = _unused(os.path.join(self.directory, "abandoned-" + name))
+            os.replace(os.path.join(self.directory, name), aside)
+        if newer:
+            moved = ", ".join(newer)
+            log(f"--resume-from {chosen}: the newer {moved} moved aside to abandoned-step-<N>")
+        self.branch = chosen
+        return path, info
+
+    def _newest_in_directory(self, log):
+        """On rank 0: (path, checkpoint.json) or None; damaged newer ones are moved aside."""
+        damaged = []  # (path, what is wrong), newest first
+        self._remove_strays()
+        for name in reversed(self._list_complete()):
+            path = os.path.join(self.directory, name)
+            info, problem = _verify(path, self.layout)
+            if problem is None:
+                for bad, why in damaged:
+                    aside = _unused(
+                        os.path.join(self.directory, "damaged-" + os.path.basename(bad))
+                    )
+                    os.replace(bad, aside)
+                    log(
+                        f"checkpoint {bad} is damaged ({why}): moved it to {aside}; "
+                        "resuming from an older one"
+                    )
+                return path, info
+            damaged.append((path, problem))
+        if damaged:  # nothing is moved: a restart must not start again from step 0 unsaid
+            faults = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in damaged)
+            raise UsageError(
+                f"no intact checkpoint in {self.directory}: {faults}; restore one, "
+                "or use another --checkpoint-dir"
+            )
+
+
+def _verify(path, layout=None):
+    """(checkpoint.json, None) if every file matches it, or (None, what is damaged)."""
+    manifest = os.path.join(path, "checkpoint.json")
+    try:
+        with open(manifest) as file:
+            info = json.load(file)
+        files = {name: [int(size), str(digest)] for name, (size, digest) in info["files"].items()}
+        if ".metadata" not in files or info["format"] != FORMAT:
+            found = f"format {info['format']} (this code reads {FORMAT}), files {sorted(files)}"
+            raise ValueError(found)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        return None, f"checkpoint.json is unreadable: {error}"
+    if layout and info["layout"]["dataset"] != layout["dataset"]:  # another model's parameters
+        raise UsageError(
+            f"checkpoint {manifest} was saved with dataset {info['layout']['dataset']}, "
+            f"this run has dataset {layout['dataset']}; use another --checkpoint-dir "
+            "or the same dataset"
+        )
+    for name, expected in files.items():
+        try:
+            actual = _fingerprint(os.path.join(path, name))
+        except OSError as error:
+            return None, f"{name}: {error.strerror or error}"
+        if actual[0] != expected[0]:
+            return None, f"{name} has {actual[0]} bytes, checkpoint.json says {expected[0]}"
+        if actual != expected:
+            return None, f"{name} does not match its SHA-256 in checkpoint.json"
+    return info, None
+
+
+def _unused(path):  # path, or path-2, path-3, ...: the first that does not exist
+    taken = path
+    for number in range(2, 1_000_000):
+        if not os.path.lexists(taken):
+            return taken
+        taken = f"{path}-{number}"
+    raise UsageError(f"{path}: a million names like it are taken; move them away")
+
+
+def _fingerprint(path):  # [size in bytes, SHA-256] of a file, read in 1 MiB pieces
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as file:
+        while piece := file.read(1 << 20):
+            digest.update(piece)
+            size += len(piece)
+    return [size, digest.hexdigest()]

@@ -1,0 +1,265 @@
+"""Failures and signals: one-line errors, exit codes, dying with torchrun, agreed stops."""
+
+import ctypes
+import errno
+import gc
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+# The signals torchrun passes on to its workers (launch_torchrun.py sets the same list).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
+# EX_TEMPFAIL: may pass on a retry; torchrun restarts it, and not a bad input's 2.
+RETRY_EXIT = 75
+# A failed write the user must fix: the disk or its permissions, not a passing fault.
+USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR}
+USER_ERRNOS |= {errno.EISDIR}
+
+
+class UsageError(Exception):
+    """What the user must fix: one line from rank 0, exit code 2."""
+
+
+class NodeError(UsageError):
+    """A problem of one node (its GPUs), found before the process group: each node says it."""
+
+
+class Retryable(Exception):
+    """What may pass on a retry (a peer lost, an I/O error): one line, exit code 75."""
+
+
+class Stopped(Exception):
+    """A stop signal the ranks agreed on: its line, and exit code 128 + the signal."""
+
+
+def say(line, rank=None):
+    """Print ``line`` on stderr from global rank 0 (or ``rank`` 0), naming torchrun's restart."""
+    if (int(os.environ.get("RANK", "0")) if rank is None else rank) != 0:
+        return False
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    print(line + (f" (torchrun restart {restart})" if restart else ""), file=sys.stderr, flush=True)
+    return True
+
+
+def run(main, *also):
+    """Run ``main()`` as a worker: each way it can fail ends in one line and its exit code.
+
+    UsageError (or an ``also``: the data's) exits 2; a ``transient`` failure 75, which
+    torchrun's restarts retry; a crash 1, its traceback in torchrun's error file.
+    """
+    die_with_torchrun()
+    try:
+        main()
+    except (UsageError, *also) as error:
+        node = isinstance(error, NodeError)
+        _end(f"error: {error}", 2, int(os.environ.get("LOCAL_RANK", "0")) if node else None)
+    except Stopped as stop:
+        say(stop.args[0])
+        sys.exit(stop.args[1])
+    except KeyboardInterrupt:  # before the training loop's StopSignals
+        _end("stopped by SIGINT during start-up", 130)
+    except Exception as error:
+        under_torchrun = bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
+        if line := transient(error):  # each failed rank's own line: the launcher prints the first
+            why = "exit code 75: torchrun restarts it while MAX_RESTARTS allows"
+            _end(
+                f"error: {line}; it may pass on a retry ({why})",
+                RETRY_EXIT,
+                -1 if under_torchrun else 0,
+            )
+        if not under_torchrun:
+            raise
+        _end(
+            traceback.format_exc().rstrip(), 1, rank=-1
+        )  # for the launcher, if this rank failed first
+    finally:
+        # FSDP's modules hold their group in reference cycles: collected now, the group and gloo's
+        # threads end here, not at interpreter shutdown, where a collective's tensors would abort.
+        gc.collect()
+
+
+def die_with_torchrun():
+    """Under torchrun on Linux, be killed when it dies (PR_SET_PDEATHSIG).
+
+    SIGKILL (the OOM killer, a scheduler) gives torchrun no chance to stop its workers, which
+    would train on and race a restart for --checkpoint-dir.
+    """
+    launcher = os.getppid()
+    if "RANK" in os.environ and sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != launcher:  # torchrun died before that took effect
+            os._exit(1)
+
+
+def transient(error):
+    """One line for a failure that may pass on a retry; None for any other.
+
+    Such are a peer lost, a collective's error or timeout, a CUDA or NCCL error, and an
+    OSError other than a full disk or a permission.
+    """
+    if isinstance(error, Retryable):
+        return str(error)
+    if isinstance(error, CheckpointException):  # DCP's: {rank: (exception, traceback)}
+        causes = [cause for cause, _ in getattr(error, "failures", {}).values()]
+        return next((f"{line} (in DCP)" for line in map(transient, causes) if line), None)
+    text = " ".join(str(error).split())[:300]
+    if isinstance(error, OSError):
+        return None if error.errno in USER_ERRNOS else f"{type(error).__name__}: {text}"
+    if isinstance(error, torch.cuda.OutOfMemoryError):  # the same batch runs out again
+        return None
+    words = ("gloo", "NCCL", "CUDA error", "onnection", "timed out", "Timed out", "Socket")
+    if isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and any(word in text for word in words)
+    ):
+        return f"a collective failed ({text})"
+    return None
+
+
+def _end(line, exit_code, rank=None):
+    # Print the line and note it, or neither: torchrun may be stopping this rank meanwhile.
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+    said = say(line, rank)
+    here = rank is not None or os.environ.get("GROUP_RANK", "0") == "0"  # its node speaks
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's format, and the launcher's
+        note = {"message": line, "timestamp": int(time.time()), "time": time.time()}
+        note |= {"said": said, "here": here, "exit_code": exit_code}
+        with open(path, "w") as file:
+            json.dump(note, file)
+    sys.exit(exit_code)
+
+
+def process_group_options(device, minutes=10):
+    """init_process_group's options: torchrun's ranks and store, or a group of one.
+
+    A collective that waits longer than ``minutes`` fails instead of hanging.
+    """
+    timeout = timedelta(minutes=minutes)
+    if "RANK" not in os.environ:  # plain `python train_*.py`: every collective runs unchanged
+        return dict(store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device_id = device if device.type != "cpu" else None  # a GPU's group connects at once
+    return dict(
+        store=_store_for_this_attempt(timeout),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device_id,
+    )
+
+
+def _store_for_this_attempt(timeout):
+    """torchrun's store, under a prefix of this attempt's own; None: init_process_group's env://.
+
+    torchrun keeps one store across its restarts, where a restarted worker would read the dead
+    workers' addresses and fail ("Connection refused", pytorch issue 135712).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(address, port, is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"attempt-{attempt}/", store)
+
+
+def on_rank_0(work, what, share=True):
+    """Collective: rank 0 runs ``work()``; its result on every rank (``share``) or on rank 0.
+
+    Whatever rank 0 raises, every rank raises at once with the same line: never are the
+    others left waiting for a collective rank 0 will not make.
+    """
+    result, problem = None, None  # problem: (kind, line)
+    if dist.get_rank() == 0:
+        try:
+            result = work()
+        except UsageError as error:
+            problem = ("usage", str(error))
+        except Exception as error:  # a bug too: its traceback here, its line on every rank
+            line = transient(error)
+            if line:
+                problem = ("retry", line)
+            else:
+                traceback.print_exc()
+                text = " ".join(str(error).split())[:300]
+                problem = ("crash", f"rank 0 failed {what}: {type(error).__name__}: {text}")
+    outcome = [result if share else None, problem]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1]:
+        kind, line = outcome[1]
+        raise {"usage": UsageError, "retry": Retryable, "crash": RuntimeError}[kind](line)
+    return outcome[0] if share else result
+
+
+class StopSignals:
+    """Stop signals, recorded as they come, and the ranks' agreement on when to stop.
+
+    STOP_SIGNALS are a scheduler's SIGTERM, SLURM's SIGUSR1 warning, Ctrl-C's SIGINT, a closed
+    terminal's SIGHUP and SIGQUIT. The ranks compare theirs about once a second of training
+    (``due``, ``proposal``, ``agree``) and all stop at the same step. A second signal, over a
+    second later, ends the process: a thread watches, as a rank blocked in a collective can't.
+    """
+
+    SECONDS = 1.0  # of training between two agreements: the most a stop waits
+
+    def __init__(self, start_step):
+        self.received = 0
+        self.next_check, self.steps = start_step + 1, 1  # after the first step, then each second
+        self.clock = None  # (time, step) of the last agreement
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write)  # the C handler writes each signal's number here
+        for number in STOP_SIGNALS:
+            signal.signal(number, lambda *_: None)  # instead of the default action, death
+        threading.Thread(target=self._watch, args=(read,), daemon=True).start()
+
+    def _watch(self, read):
+        first = None
+        while True:
+            for number in (n for n in os.read(read, 64) if n in STOP_SIGNALS):
+                if first is None:
+                    first, self.received = time.monotonic(), number
+                elif time.monotonic() - first > 1:
+                    rank = int(os.environ.get("RANK", "0"))
+                    name = signal.Signals(number).name
+                    say(f"{name} again: rank {rank} ends now, with no checkpoint", 0)
+                    os._exit(128 + number)
+
+    def due(self, step):  # the same answer on every rank: agreed at the last agreement
+        return step >= self.next_check
+
+    def proposal(self, device):
+        """To all-reduce with MAX: [the signal received here or 0, -(steps to the next check)]."""
+        return torch.tensor([self.received, -self.steps], device=device)
+
+    def agree(self, agreed, step):
+        """The signal the ranks agreed on (0: none), after ``proposal``'s all-reduce.
+
+        The next agreement comes after the fewest steps any rank proposed: this rank proposes
+        about SECONDS' worth by its clock (at most twice as many as now, for a slow start).
+        """
+        number, steps = (int(value) for value in agreed.tolist())
+        now = time.monotonic()
+        if self.clock and step > self.clock[1]:
+            seconds_per_step = max(now - self.clock[0], 1e-9) / (step - self.clock[1])
+            self.steps = int(max(1, min(2 * -steps, self.SECONDS / seconds_per_step, 1e6)))
+        self.clock, self.next_check = (now, step), step - steps
+        return number
+
+    @staticmethod
+    def stopped(number, step, total_steps, checkpoint_dir):
+        """The Stopped to raise: 128 + the signal's exit code, which schedulers requeue."""
+        if checkpoint_dir:
+            saved = f"checkpoint step-{step} is in {checkpoint_dir}; the same command resumes there"
+        else:
+            saved = "nothing was saved (no --checkpoint-dir)"
+        name = signal.Signals(number).name
+        return Stopped(f"stopped by {name} at step {step} of {total_steps}: {saved}", 128 + number)

@@ -1,0 +1,276 @@
+"""Training arithmetic and flags: the shared flags, the step plan and lr, batches, evaluation."""
+
+import argparse
+import math
+import os
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from plumbing.failures import NodeError, UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage and error on every rank: one line, once
+        raise UsageError(f"{message} (see --help)")
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # "(default: X)" only where X says something, once
+        quiet = action.default is None or "(default" in action.help
+        return action.help if quiet else super()._get_help_string(action)
+
+
+def number(kind, low, below=math.inf, above_low=False):
+    """An argparse type: a finite ``kind`` from ``low`` (or above it) to below ``below``."""
+
+    def parse(text):
+        value = kind(text)
+        if math.isfinite(value) and (low < value if above_low else low <= value) and value < below:
+            return value
+        upper = f" and below {below}" if below < math.inf else ""
+        raise argparse.ArgumentTypeError(
+            f"must be {'above' if above_low else 'at least'} {low}{upper}, got {text}"
+        )
+
+    parse.__name__ = kind.__name__  # argparse's "invalid int value: 'abc'"
+    return parse
+
+
+def step_range(text):
+    """An argparse type: "A:B", optimizer steps from 1, A <= B."""
+    first, _, last = text.partition(":")
+    if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+        raise argparse.ArgumentTypeError(f"give two steps A:B, 1 <= A <= B, not {text!r}")
+    return int(first), int(last)
+
+
+def parser(description, *more):
+    """The flags all scripts share, then those each of ``more`` adds (the data's)."""
+    p = _Parser(description=description, formatter_class=_Help)
+    add, positive = p.add_argument, number(float, 0, above_low=True)
+    add("--epochs", type=number(int, 1), default=2, help="passes over the training set")
+    add(
+        "--max-steps",
+        type=number(int, 0),
+        default=0,
+        help="stop after this many steps (0: no limit)",
+    )
+    add("--batch-size", type=number(int, 1), default=64, help="samples per micro-step per replica")
+    add("--grad-accum", type=number(int, 1), default=1, help="micro-steps per optimizer step")
+    add("--optimizer", choices=("adamw", "sgd"), default="adamw", help="fused AdamW, or SGD")
+    add("--lr", type=positive, help="peak learning rate (default: 3e-3 adamw, 0.01 sgd)")
+    add("--lr-schedule", choices=("cosine", "constant"), default="cosine", help="after the warmup")
+    add("--momentum", type=number(float, 0, 1), default=0.9, help="SGD momentum")
+    add("--weight-decay", type=number(float, 0), help="(default: 0.01 adamw, 5e-4 sgd)")
+    add("--scale-lr", action="store_true", help="lr *= global_batch_size / base_batch_size")
+    add("--base-batch-size", type=number(int, 1), default=64, help="the global batch --lr fits")
+    add(
+        "--warmup-steps",
+        type=number(int, 0),
+        help="linear warmup steps, at most half the run "
+        "(default: 100, or a fifth of a run shorter than 500 steps)",
+    )
+    add("--max-grad-norm", type=positive, help="clip gradients to this global L2 norm (logged)")
+    add(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="auto: this rank's GPU (cuda:LOCAL_RANK) if there is one, else the CPU",
+    )
+    add(
+        "--precision",
+        choices=("fp32", "bf16", "fp64"),
+        default="fp32",
+        help="bf16: autocast forward; fp64: for tests",
+    )
+    add("--compile", action="store_true", help="torch.compile the model (DDP) or each block (FSDP)")
+    add("--seed", type=int, default=0, help="same initial weights and data order on every rank")
+    add("--workers", type=number(int, 0), default=0, help="DataLoader processes per rank")
+    add(
+        "--log-every",
+        type=number(int, 1),
+        default=20,
+        help="steps between all-reduced losses "
+        "(a stop signal is honoured within about a second, whatever this is)",
+    )
+    add("--no-eval", action="store_true", help="skip the test-set evaluation after each epoch")
+    add("--checkpoint-dir", metavar="DIR", help="save checkpoints here; resume from the newest")
+    add("--checkpoint-every", type=number(int, 1), default=100, help="steps between checkpoints")
+    add("--keep-checkpoints", type=number(int, 1), default=2, help="how many of the newest to keep")
+    add(
+        "--init-from",
+        metavar="FILE",
+        help="start from these weights (--save's, "
+        "consolidate's, .safetensors) with a fresh optimizer; a checkpoint wins over it",
+    )
+    add(
+        "--resume-from",
+        metavar="STEP",
+        help="resume from this checkpoint, not the "
+        "newest: step-<N> in --checkpoint-dir, or a path; newer ones move to abandoned-step-<N>",
+    )
+    add("--save", metavar="PATH", help="write the final weights as a plain state dict (rank 0)")
+    add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")
+    add("--log-dir", metavar="DIR", help="rank 0 appends a row per logging step to metrics.csv")
+    add("--profile-steps", metavar="A:B", type=step_range, help="a trace of steps A to B per rank")
+    for add_more in more:
+        add_more(p)
+    return p
+
+
+class Plan:
+    """A run's arithmetic: steps per epoch, total steps, the global batch, each step's lr.
+
+    The lr rises linearly to the peak over the warmup's steps, reaching it at step
+    ``warmup_steps``, then holds (constant) or follows a cosine to 0 at ``total_steps``.
+    """
+
+    def __init__(self, args, samples, replicas, dataset_name, replica="ranks"):
+        self.samples_per_step = args.batch_size * args.grad_accum  # per replica
+        self.steps_per_epoch = samples // self.samples_per_step
+        if self.steps_per_epoch == 0:
+            raise UsageError(
+                f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} is more than "
+                f"the {samples} samples each of the {replicas} {replica} gets from {dataset_name}; "
+                "make it smaller"
+            )
+        self.global_batch_size = self.samples_per_step * replicas
+        whole = self.steps_per_epoch * args.epochs
+        self.total_steps = min(args.max_steps or whole, whole)
+        self.epochs = -(-self.total_steps // self.steps_per_epoch)
+        self.peak_lr, self.warmup_steps = peak_and_warmup(
+            args, self.global_batch_size, self.total_steps
+        )
+        self.cosine = args.lr_schedule == "cosine"
+
+    def lr(self, step):  # of step 0, 1, ...: a function of the step, so a resumed run goes on
+        if step < self.warmup_steps:
+            return self.peak_lr * (step + 1) / (self.warmup_steps + 1)
+        decayed = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        return self.peak_lr * (0.5 + 0.5 * math.cos(math.pi * decayed) if self.cosine else 1.0)
+
+
+def peak_and_warmup(args, global_batch_size, total_steps):
+    """The peak lr (--scale-lr: the linear scaling rule) and the warmup's steps."""
+    peak = args.lr if args.lr is not None else {"adamw": 3e-3, "sgd": 0.01}[args.optimizer]
+    peak *= global_batch_size / args.base_batch_size if args.scale_lr else 1
+    warmup = args.warmup_steps
+    warmup = min(100, total_steps // 5) if warmup is None else warmup
+    if 2 * warmup > total_steps:
+        raise UsageError(
+            f"--warmup-steps {warmup} is more than half of this run's {total_steps} steps: the lr "
+            f"would stay below its peak {peak:g} for most of the run; "
+            f"give at most {total_steps // 2}"
+        )
+    return peak, warmup
+
+
+def make_optimizer(args, parameters):
+    """Fused AdamW, or foreach SGD (fused has no DTensor rule): not a Python loop."""
+    decay = args.weight_decay
+    decay = {"adamw": 0.01, "sgd": 5e-4}[args.optimizer] if decay is None else decay
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(
+            parameters, lr=0.0, momentum=args.momentum, weight_decay=decay, foreach=True
+        )
+    return torch.optim.AdamW(parameters, lr=0.0, weight_decay=decay, fused=True)
+
+
+def pick_device(flag, local_rank):
+    """--device: this rank's accelerator (by LOCAL_RANK) or the CPU; one line if too few."""
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if flag == "cpu" or (flag == "auto" and accelerator is None):
+        return torch.device("cpu")
+    count = torch.accelerator.device_count()  # honours CUDA_VISIBLE_DEVICES; nvidia-smi does not
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    if processes > count:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
+        if processes > 1:
+            need = f"{processes} processes on this node need {processes} GPUs"
+        else:
+            need = "--device cuda: a GPU"
+        if count:
+            way = f"start at most {count} per node (NPROC_PER_NODE={count})"
+        else:
+            way = "use a machine with GPUs and CUDA"
+        raise NodeError(
+            f"{need}, but torch sees {count}{shown}: {way}, or train on the CPU with --device cpu"
+        )
+    device = torch.device(accelerator.type, local_rank)
+    torch.accelerator.set_device_index(local_rank)
+    return device
+
+
+def dtype_of(args):  # the weights' dtype: bf16 runs fp32 weights under autocast
+    return torch.float64 if args.precision == "fp64" else torch.float32
+
+
+def autocast(args, device):  # bf16 autocast for the forward (CPU and GPU alike), or nothing
+    if args.precision != "bf16":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+class Batches:
+    """Called with indices: (inputs, labels) of ``dataset`` there, a batch at a time, on ``device``.
+
+    A TensorDataset on the device is gathered by index; any other goes through one DataLoader
+    (pinned memory on a GPU; ``workers`` forked once and kept: a fork while another loader's
+    threads end can hang the child, CPython 3.11).
+    """
+
+    def __init__(self, dataset, batch_size, device, dtype, workers=0, seed=0):
+        self.dataset, self.batch_size, self.device, self.dtype = dataset, batch_size, device, dtype
+        self.order = []  # the DataLoader's sampler: each call fills it
+        gather = isinstance(dataset, TensorDataset) and dataset.tensors[0].device == device
+        self.loader = None
+        if workers or not gather:
+            self.loader = DataLoader(
+                dataset,
+                batch_size,
+                sampler=self.order,
+                num_workers=workers,
+                persistent_workers=workers > 0,
+                pin_memory=device.type == "cuda",
+                generator=torch.Generator().manual_seed(seed),
+            )
+
+    def __call__(self, indices):
+        if self.loader is None:
+            indices = torch.as_tensor(indices, device=self.device)
+            size = self.batch_size
+            loaded = (self.dataset[indices[i : i + size]] for i in range(0, len(indices), size))
+        else:
+            self.order[:], loaded = indices, self.loader
+        for inputs, labels in loaded:  # floating inputs in the model's dtype
+            dtype = self.dtype if inputs.is_floating_point() else None
+            inputs = inputs.to(self.device, dtype, non_blocking=True)
+            yield inputs, labels.to(self.device, non_blocking=True)
+
+
+@torch.no_grad()
+def evaluate(forward, batches, rank, world_size, pipeline=False):
+    """This replica's [loss sum, correct, count] of ``forward`` on its slice, to all-reduce.
+
+    Over targets: logits (..., C), labels (...): a sample's or a token's. All replicas run as
+    many batches (FSDP gathers in each), padded with sample 0, uncounted; ``pipeline``: full
+    batches, and ``forward(inputs, labels)``.
+    """
+    size, count = batches.batch_size, len(batches.dataset)
+    shard = torch.arange(count).tensor_split(world_size)[rank].tolist()
+    longest = -(-count // world_size)
+    padded = shard + [0] * ((-(-longest // size) * size if pipeline else longest) - len(shard))
+    totals = torch.zeros(3, dtype=torch.float64, device=batches.device)
+    for i, (inputs, labels) in enumerate(batches(padded)):
+        logits = forward(inputs, labels) if pipeline else forward(inputs)
+        real = len(shard[i * size : (i + 1) * size])  # 0 in a batch of padding alone
+        if logits is not None and real:
+            logits, labels = logits[:real].float().flatten(0, -2), labels[:real].flatten()
+            loss = F.cross_entropy(logits, labels, reduction="sum")
+            correct = (logits.argmax(dim=1) == labels).sum()
+            totals += torch.stack([loss.double(), correct.double(), totals.new_tensor(len(labels))])
+    return totals
