@@ -175,7 +175,7 @@ def main():
                         stop_signal, progress.step, plan.total_steps, args.checkpoint_dir
                     )
 
-            # ---- evaluate: each tp group scores a slice of the test set; the sums are all-reduced ----
+            # ---- evaluate: each tp group scores a slice of the test set; sums all-reduced ----
             if args.no_eval:
                 continue
             for buffer in model.buffers():  # BatchNorm's statistics: rank 0's, which it saves
