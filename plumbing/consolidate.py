@@ -17,8 +17,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from plumbing.core import UsageError, write_atomically
-from plumbing.hardening import _verify
+from plumbing.checkpoints import _verify, write_atomically
+from plumbing.failures import UsageError
 
 PREFIX = "model."  # Checkpointer.save saves {"model": ..., "optimizer": ..., "rng": ...}
 
@@ -63,7 +63,7 @@ def consolidate(directory, out):
     with warnings.catch_warnings():  # that it reads in one process, without a group: as intended
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=path, no_dist=True)  # one process: no collective
-    # What --save writes, atomically. Not through core.save_state_dict: its check that each tensor
+    # What --save writes, atomically. Not through checkpoints.save_state_dict: its check that each tensor
     # is finite holds temporaries up to 3 x the largest, and Checkpointer.save saved finite ones.
     size = sum(t.nbytes for t in tensors.values())
     write_atomically(out, lambda file: torch.save(state["model"], file), size)
@@ -74,7 +74,7 @@ def consolidate(directory, out):
 
 
 # Not named main: tests/test_template.py follows collectives by function name, and a main that
-# calls dcp.load would mark hardening.run, which calls the scripts' main, as one.
+# calls dcp.load would mark failures.run, which calls the scripts' main, as one.
 def command(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m plumbing.consolidate", description=__doc__.splitlines()[0].split(": ", 1)[1]

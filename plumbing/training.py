@@ -124,8 +124,10 @@ def parser(description, *more):
 class Plan:
     """A run's arithmetic: steps per epoch, total steps, the global batch, each step's lr.
 
-    The lr rises linearly to the peak over the warmup's steps, reaching it at step
-    ``warmup_steps``, then holds (constant) or follows a cosine to 0 at ``total_steps``.
+    The lr of step s (from 0) is peak x min(1, (s + 1) / (warmup + 1)) x decay(s): a linear
+    warmup times, for --lr-schedule cosine, decay(s) = (1 + cos(pi s / total_steps)) / 2 (1 for
+    constant). The cosine runs from step 0, so the highest lr used, at the warmup's end, is
+    ``top_lr``: below the peak by the decay there (0.97 x for 100 warmup steps of 1,000).
     """
 
     def __init__(self, args, samples, replicas, dataset_name, replica="ranks"):
@@ -146,11 +148,13 @@ class Plan:
         )
         self.cosine = args.lr_schedule == "cosine"
 
-    def lr(self, step):  # of step 0, 1, ...: a function of the step, so a resumed run goes on
-        if step < self.warmup_steps:
-            return self.peak_lr * (step + 1) / (self.warmup_steps + 1)
-        decayed = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
-        return self.peak_lr * (0.5 + 0.5 * math.cos(math.pi * decayed) if self.cosine else 1.0)
+    def lr(self, step):  # a function of the step: a resumed run goes on exactly
+        decay = 0.5 + 0.5 * math.cos(math.pi * step / self.total_steps) if self.cosine else 1.0
+        return self.peak_lr * min(1.0, (step + 1) / (self.warmup_steps + 1)) * decay
+
+    @property
+    def top_lr(self):  # the highest lr used: the warmup's end
+        return self.lr(self.warmup_steps)
 
 
 def peak_and_warmup(args, global_batch_size, total_steps):

@@ -227,11 +227,15 @@ def flops_per_sample(model, inputs):
 def describe(args, plan, param_count, flops, dataset_name, unit="rank"):
     """The start line's figures: the batch per ``unit`` (a data-parallel replica), ..., steps."""
     replicas = plan.global_batch_size // plan.samples_per_step
+    top = ""
+    if plan.top_lr < plan.peak_lr:  # a cosine, from step 0
+        top = f"the cosine, from step 0, makes it {plan.top_lr:.3g} there; "
     return (
         f"batch {args.batch_size} per {unit} x grad-accum {args.grad_accum} x {replicas} "
         f"{unit}s = global batch {plan.global_batch_size}; peak lr {plan.peak_lr:g} after "
-        f"{plan.warmup_steps} warmup steps; {param_count:,} parameters; {flops / 1e6:,.1f} "
-        f"MFLOPs a sample; {args.precision}; {dataset_name}; {plan.total_steps} steps"
+        f"{plan.warmup_steps} warmup steps; {top}{param_count:,} parameters; "
+        f"{flops / 1e6:,.1f} MFLOPs a sample; {args.precision}; {dataset_name}; "
+        f"{plan.total_steps} steps"
     )
 
 

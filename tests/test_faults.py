@@ -17,7 +17,7 @@ from conftest import (
     ROOT, Run, assert_one_line_error, launch, launcher_env, load_weights, max_difference, mnist_args, succeeded, torchrun,
     wait_for, worker_pids,
 )
-from plumbing import core, hardening
+from plumbing import checkpoints, failures, watch
 
 # A model of 7 M parameters (--width 16; 28 MB of weights, as much of SGD's momentum): a checkpoint big enough that
 # reading or writing it takes tens of milliseconds, which a poll of the workers' open files every millisecond finds.
@@ -138,28 +138,28 @@ def test_every_stop_signal_stops_every_rank_within_about_a_second_with_a_checkpo
 def test_the_launcher_passes_on_the_signals_the_workers_catch():
     text = (ROOT / "plumbing" / "torchrun.py").read_text()
     early = re.search(r"for number in \((signal\.SIG\w+(?:, signal\.SIG\w+)*)\):", text).group(1)
-    assert tuple(getattr(signal, name.split(".")[1]) for name in early.split(", ")) == hardening.STOP_SIGNALS
-    assert {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT} == set(hardening.STOP_SIGNALS)
+    assert tuple(getattr(signal, name.split(".")[1]) for name in early.split(", ")) == failures.STOP_SIGNALS
+    assert {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT} == set(failures.STOP_SIGNALS)
 
 
 def test_mfu_is_one_gpus_flops_over_its_peak():
     """8 ranks of bf16 on H100s at 1,000 samples/s of 1e12 FLOPs each: 1e15 FLOP/s in all, 1.25e14 a GPU, 12.6 % of
     the H100's 989e12 (the old arithmetic divided the total by one GPU's peak: 8 x too much)."""
     cpu = torch.device("cpu")
-    figures = core.throughput(1e12, 1000.0, 8, cpu, "bf16", gpu_name="NVIDIA H100 80GB HBM3")
+    figures = watch.throughput(1e12, 1000.0, 8, cpu, "bf16", gpu_name="NVIDIA H100 80GB HBM3")
     assert figures["flops_per_second"] == 1e15 and figures["flops_per_second_per_gpu"] == 1.25e14
     assert figures["peak_flops_per_gpu"] == 989e12 and figures["mfu"] == pytest.approx(1.25e14 / 989e12, rel=1e-12)
-    assert core.throughput(1e12, 1000.0, 8, cpu, "fp32", gpu_name="NVIDIA H100 80GB HBM3")["mfu"] is None
-    assert core.throughput(1e12, 1000.0, 1, cpu, "bf16")["mfu"] is None  # no GPU: no peak
+    assert watch.throughput(1e12, 1000.0, 8, cpu, "fp32", gpu_name="NVIDIA H100 80GB HBM3")["mfu"] is None
+    assert watch.throughput(1e12, 1000.0, 1, cpu, "bf16")["mfu"] is None  # no GPU: no peak
 
 
 SECTION = """
 import torch.distributed as dist
-from plumbing import hardening
+from plumbing import failures
 
 dist.init_process_group("gloo")
 try:
-    hardening.on_rank_0(lambda: [] + None, "in a test")
+    failures.on_rank_0(lambda: [] + None, "in a test")
 except Exception as error:
     print(f"rank {dist.get_rank()}: {type(error).__name__}: {error}", flush=True)
 dist.barrier()  # both ranks got here: nobody was left waiting in a collective
@@ -181,5 +181,5 @@ def test_whatever_rank_0_raises_in_its_section_the_others_raise_at_once(tmp_path
 def test_a_damaged_checkpoint_set_aside_never_takes_a_name_in_use(tmp_path):
     for name in ("damaged-step-4", "damaged-step-4-2"):
         (tmp_path / name).mkdir()
-    assert hardening._unused(str(tmp_path / "damaged-step-4")) == str(tmp_path / "damaged-step-4-3")
-    assert hardening._unused(str(tmp_path / "damaged-step-8")) == str(tmp_path / "damaged-step-8")
+    assert checkpoints._unused(str(tmp_path / "damaged-step-4")) == str(tmp_path / "damaged-step-4-3")
+    assert checkpoints._unused(str(tmp_path / "damaged-step-8")) == str(tmp_path / "damaged-step-8")
