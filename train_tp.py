@@ -152,7 +152,9 @@ def main():
                     dist.all_reduce(window_loss)
                     mean_loss = window_loss.item() / (window_count * world_size)
                     if not math.isfinite(mean_loss):  # the same value on every rank: all stop
-                        raise checkpointer.diverged(progress.step, f"the loss is {mean_loss}")
+                        raise checkpointer.diverged(
+                            progress.step, f"the training loss is {mean_loss}"
+                        )
                     grad_norm = norm.item() if args.max_grad_norm else None  # before clipping
                     progress.record_loss(mean_loss, "loss (all ranks)", lr, grad_norm)
                     window_loss.zero_()
