@@ -1,4 +1,4 @@
-"""torchrun as launch.sh runs it: `python3 plumbing/torchrun.py [torchrun's arguments]`, torchrun's own code with
+"""torchrun as launch.sh runs it: `python3 launch_torchrun.py [torchrun's arguments]`, torchrun's own code with
 all output passing through, except how a launch ends, said in one line instead of torchrun's 40- to 80-line
 ChildFailedError traceback:
 
@@ -56,7 +56,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError  # n
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler  # noqa: E402
 from torch.distributed.run import parse_args, run  # noqa: E402  (not main(): its @record would log the failure again)
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the folder that holds plumbing/
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder holds plumbing/
 from plumbing.hardening import RETRY_EXIT, STOP_SIGNALS  # noqa: E402
 
 stopping = {}  # pid: (rank, when, training) of each worker torchrun signalled to stop (a stop, or a failed peer)
