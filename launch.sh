@@ -30,7 +30,7 @@
 # 130, 138, 129, 131), which schedulers read as "preempted". A second signal ends it at once; one during start-up is
 # one line; one after the last step lets the run finish (exit code 0). A failed launch ends in one line, not
 # torchrun's traceback: exit code 2 for a bad input the workers found (not restarted), 75 for a failure that may pass
-# on a retry (a peer lost: restarted while MAX_RESTARTS allows), 1 for a crash (plumbing/torchrun.py says more).
+# on a retry (a peer lost: restarted while MAX_RESTARTS allows), 1 for a crash (launch_torchrun.py says more).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -110,11 +110,11 @@ if [ -z "${OMP_NUM_THREADS:-}" ]; then
     threads=$(( cores / NPROC_PER_NODE ))
     export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
 fi
-# torchrun (plumbing/torchrun.py) passes the stop signals on to the workers, then gives them 30 s
+# torchrun (launch_torchrun.py) passes the stop signals on to the workers, then gives them 30 s
 # (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, from torch 2.10) to write their checkpoint before it kills them.
 
 # The torchrun below is this function: torchrun's own code, all output passing through, but a launch that fails
-# ends in one line instead of torchrun's 40- to 80-line traceback (plumbing/torchrun.py says how each ending reads).
+# ends in one line instead of torchrun's 40- to 80-line traceback (launch_torchrun.py says how each ending reads).
 # Copied elsewhere, the command lines work as they are with the real torchrun.
 torchrun() {
     local timeout_error
@@ -126,7 +126,7 @@ torchrun() {
         timeout_error+=" start each with the same MASTER_ADDR, MASTER_PORT and RDZV_ID, or raise JOIN_TIMEOUT"
     fi
     echo "launch.sh: torchrun $*" >&2  # at once: torch takes seconds to import before anything else is said
-    exec python3 "$here/plumbing/torchrun.py" "$timeout_error" "$@"
+    exec python3 "$here/launch_torchrun.py" "$timeout_error" "$@"
 }
 
 if [ -n "$elastic" ]; then

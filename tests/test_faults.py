@@ -136,7 +136,7 @@ def test_every_stop_signal_stops_every_rank_within_about_a_second_with_a_checkpo
 
 
 def test_the_launcher_passes_on_the_signals_the_workers_catch():
-    text = (ROOT / "plumbing" / "torchrun.py").read_text()
+    text = (ROOT / "launch_torchrun.py").read_text()
     early = re.search(r"for number in \((signal\.SIG\w+(?:, signal\.SIG\w+)*)\):", text).group(1)
     assert tuple(getattr(signal, name.split(".")[1]) for name in early.split(", ")) == failures.STOP_SIGNALS
     assert {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT} == set(failures.STOP_SIGNALS)

@@ -42,7 +42,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_code_130(moment, tmp_path):
     env.pop("NPROC_PER_NODE", None)
     env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
     run = Run(["bash", ROOT / "run_ddp.sh", "--dataset", "synthetic", "--max-steps", "1", "--no-eval"], env=env)
-    launcher = run.process.pid  # bash execs torchrun (plumbing/torchrun.py): the launch is its process
+    launcher = run.process.pid  # bash execs torchrun (launch_torchrun.py): the launch is its process
     if moment == "torchrun-importing-torch":  # its first lines set a handler for SIGUSR1, which Python has not
         wait_until(lambda: alive(launcher) and in_mask(launcher, "SigCgt", signal.SIGUSR1), "torchrun's first handler", run)
     else:
@@ -139,7 +139,7 @@ def test_more_processes_than_cores_is_a_one_line_warning():
     assert_one_line_error(run, "MASTER_ADDR=no-such-host.invalid does not resolve on this node")
 
 
-# How a launch ends when a worker fails or will not stop: one line from plumbing/torchrun.py (launch.sh's torchrun),
+# How a launch ends when a worker fails or will not stop: one line from launch_torchrun.py (launch.sh's torchrun),
 # never torchrun's ChildFailedError traceback. A worker that fails on purpose is a few lines calling the real
 # hardening.run, as a training script does; the killed and the stuck ones are train_ddp.py.
 WORKER = """import sys, time

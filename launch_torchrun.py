@@ -1,4 +1,4 @@
-"""torchrun as launch.sh runs it: `python3 plumbing/torchrun.py [torchrun's arguments]`, torchrun's own code with
+"""torchrun as launch.sh runs it: `python3 launch_torchrun.py [torchrun's arguments]`, torchrun's own code with
 all output passing through, except how a launch ends, said in one line instead of torchrun's 40- to 80-line
 ChildFailedError traceback:
 
@@ -30,17 +30,10 @@ import signal
 import sys
 
 
-def stopped_during_start_up(
-    number, frame
-):  # until torch is imported and torchrun's own handlers are set
-    print(
-        f"stopped by {signal.Signals(number).name} during start-up: nothing was trained or saved",
-        file=sys.stderr,
-        flush=True,
-    )
-    os._exit(
-        128 + number
-    )  # not sys.exit: raised inside an import, importlib may swallow it; no worker exists yet
+def stopped_during_start_up(number, frame):  # until torch is imported and torchrun's own handlers are set
+    print(f"stopped by {signal.Signals(number).name} during start-up: nothing was trained or saved",
+          file=sys.stderr, flush=True)
+    os._exit(128 + number)  # not sys.exit: raised inside an import, importlib may swallow it; no worker exists yet
 
 
 # hardening.STOP_SIGNALS, which cannot be imported before torch is (tests/test_launch.py checks they are the same)
@@ -63,9 +56,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError  # n
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler  # noqa: E402
 from torch.distributed.run import parse_args, run  # noqa: E402  (not main(): its @record would log the failure again)
 
-sys.path.insert(
-    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)  # the folder that holds plumbing/
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder holds plumbing/
 from plumbing.hardening import RETRY_EXIT, STOP_SIGNALS  # noqa: E402
 
 stopping = {}  # pid: (rank, when, training) of each worker torchrun signalled to stop (a stop, or a failed peer)
@@ -76,11 +67,7 @@ exit_codes = {}  # pid: exit code of each worker torchrun stopped, once it has
 def rank_of(pid):
     try:
         with open(f"/proc/{pid}/environ", "rb") as file:
-            return (
-                dict(v.split(b"=", 1) for v in file.read().split(b"\0") if b"=" in v)
-                .get(b"RANK", b"?")
-                .decode()
-            )
+            return dict(v.split(b"=", 1) for v in file.read().split(b"\0") if b"=" in v).get(b"RANK", b"?").decode()
     except OSError:
         return "?"
 
@@ -101,102 +88,63 @@ class Endings(logging.Filter):
         text = str(record.msg)
         if text.startswith(("Sending process", "Unable to shutdown process")) and record.args:
             pid, signal_name = record.args[0], getattr(record.args[1], "name", record.args[1])
-            if text.startswith(
-                "Sending"
-            ):  # a stop: the workers it signals, to name a stuck one later
-                training = catches(
-                    pid, signal.SIGUSR1
-                )  # StopSignals is set: the rank will say where it stopped
+            if text.startswith("Sending"):  # a stop: the workers it signals, to name a stuck one later
+                training = catches(pid, signal.SIGUSR1)  # StopSignals is set: the rank will say where it stopped
                 stopping[pid] = (rank_of(pid), time.monotonic(), training)
             else:  # waited its shutdown timeout in vain (30 s by default)
                 rank, since, _ = stopping.get(pid, ("?", time.monotonic(), False))
-                print(
-                    f"error: rank {rank} (pid {pid}) did not stop within {time.monotonic() - since:.0f} s of "
-                    f"{signal_name}: stuck in a collective, or stopped? killing it; it wrote no checkpoint",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        return not text.startswith(
-            ("failed (exitcode", "Sending process", "Unable to shutdown", "Received")
-        )
+                print(f"error: rank {rank} (pid {pid}) did not stop within {time.monotonic() - since:.0f} s of "
+                      f"{signal_name}: stuck in a collective, or stopped? killing it; it wrote no checkpoint",
+                      file=sys.stderr, flush=True)
+        return not text.startswith(("failed (exitcode", "Sending process", "Unable to shutdown", "Received"))
 
 
 def note(failure):  # what plumbing/hardening.run wrote in the rank's error file: {} when nothing
-    return (
-        failure.error_file_data if isinstance(failure.error_file_data.get("message"), str) else {}
-    )
+    return failure.error_file_data if isinstance(failure.error_file_data.get("message"), str) else {}
 
 
 def this_attempt(failures):
     """The notes of every rank of this node in this attempt: those torchrun stopped before it saw them fail too (when it
     sees one rank fail, the speaker may be printing the line that very moment; torchrun waits for it to exit)."""
-    folders = {
-        os.path.dirname(os.path.dirname(failure.error_file))
-        for failure in failures.values()
-        if os.path.isfile(failure.error_file)
-    }
+    folders = {os.path.dirname(os.path.dirname(failure.error_file)) for failure in failures.values()
+               if os.path.isfile(failure.error_file)}
     notes = []
-    for path in (
-        path for folder in folders for path in glob.glob(os.path.join(folder, "*", "error.json"))
-    ):
+    for path in (path for folder in folders for path in glob.glob(os.path.join(folder, "*", "error.json"))):
         try:
             with open(path) as file:
                 notes.append(json.load(file))
-        except (
-            OSError,
-            ValueError,
-        ):  # not written by plumbing/hardening.run (its writes are atomic)
+        except (OSError, ValueError):  # not written by plumbing/hardening.run (its writes are atomic)
             pass
     return [n for n in notes if isinstance(n, dict) and isinstance(n.get("message"), str)]
 
 
 def ending(failures):
     """The one line (and exit code) for torchrun's failures, {global rank: ProcessFailure}."""
-    if any(
-        failure.exitcode == 2 for failure in failures.values()
-    ):  # the ranks found the same bad input
+    if any(failure.exitcode == 2 for failure in failures.values()):  # the ranks found the same bad input
         notes = [n for n in this_attempt(failures) if n.get("exit_code") == 2]
         if not notes:  # not through plumbing/hardening.run: whatever the worker printed is above
             print(f"error: rank {min(failures)} exited with code 2", file=sys.stderr)
-        elif not any(n.get("said") for n in notes) and any(
-            n.get("here") for n in notes
-        ):  # the rank to say it is
-            print(
-                next(n["message"] for n in notes if n.get("here")), file=sys.stderr
-            )  # on this node, and did not
+        elif not any(n.get("said") for n in notes) and any(n.get("here") for n in notes):  # the rank to say it is
+            print(next(n["message"] for n in notes if n.get("here")), file=sys.stderr)  # on this node, and did not
         return 2
     where = f" on {socket.gethostname()}"
     # Killed by a signal, not one torchrun sent itself on seeing another rank fail (it may list those too).
-    killed = {
-        rank: failure
-        for rank, failure in failures.items()
-        if failure.exitcode < 0 and failure.pid not in stopping
-    }
+    killed = {rank: failure for rank, failure in failures.items()
+              if failure.exitcode < 0 and failure.pid not in stopping}
     if killed:  # the others failed because it had gone: their errors say only that
         rank, failure = min(killed.items())
-        why = (
-            ": out of memory? the kernel's log (dmesg) says"
-            if failure.signal_name() == "SIGKILL"
-            else ""
-        )
-        print(
-            f"error: rank {rank} (pid {failure.pid}){where} was killed by {failure.signal_name()}{why}",
-            file=sys.stderr,
-        )
+        why = ": out of memory? the kernel's log (dmesg) says" if failure.signal_name() == "SIGKILL" else ""
+        print(f"error: rank {rank} (pid {failure.pid}){where} was killed by {failure.signal_name()}{why}",
+              file=sys.stderr)
         return 1
     rank, failure = min(failures.items(), key=lambda item: note(item[1]).get("time", math.inf))
-    if (
-        note(failure).get("exit_code") == RETRY_EXIT
-    ):  # a peer lost, a collective's timeout: its one line
+    if note(failure).get("exit_code") == RETRY_EXIT:  # a peer lost, a collective's timeout: its one line
         print(note(failure)["message"], file=sys.stderr)
         return RETRY_EXIT
     if note(failure):
         print(note(failure)["message"], file=sys.stderr)
-    print(
-        f"error: rank {rank} (pid {failure.pid}){where} failed with exit code {failure.exitcode}"
-        + (": its traceback is above" if note(failure) else ""),
-        file=sys.stderr,
-    )
+    print(f"error: rank {rank} (pid {failure.pid}){where} failed with exit code {failure.exitcode}"
+          + (": its traceback is above" if note(failure) else ""), file=sys.stderr)
     return 1
 
 
@@ -206,20 +154,12 @@ def on_signal(number, frame):
     would send it on and wait its whole shutdown timeout again. The workers die with this process (PR_SET_PDEATHSIG)."""
     name = signal.Signals(number).name
     if received:
-        stuck = ", ".join(
-            f"rank {rank} (pid {pid})" for pid, (rank, *_) in stopping.items() if alive(pid)
-        )
-        print(
-            f"{name} again: ending now"
-            + (f", without waiting for {stuck} to stop" if stuck else ""),
-            file=sys.stderr,
-            flush=True,
-        )
+        stuck = ", ".join(f"rank {rank} (pid {pid})" for pid, (rank, *_) in stopping.items() if alive(pid))
+        print(f"{name} again: ending now" + (f", without waiting for {stuck} to stop" if stuck else ""),
+              file=sys.stderr, flush=True)
         os._exit(128 + number)
     received.append(number)
-    raise SignalException(
-        f"Process {os.getpid()} got signal: {name}", sigval=signal.Signals(number)
-    )
+    raise SignalException(f"Process {os.getpid()} got signal: {name}", sigval=signal.Signals(number))
 
 
 def close(handler, death_sig=None, close=SubprocessHandler.close):
@@ -259,14 +199,9 @@ def main():
     sys.argv[0] = "torchrun"
     for name in ("multiprocessing.api", "agent.server.api"):
         logging.getLogger(f"torch.distributed.elastic.{name}").addFilter(Endings())
-    elastic_api._terminate_process_handler = (
-        on_signal  # what torchrun installs when it starts the workers
-    )
+    elastic_api._terminate_process_handler = on_signal  # what torchrun installs when it starts the workers
     SubprocessHandler.close, elastic_api.SubprocessContext._close = close, close_workers
-    LocalElasticAgent._monitor_workers, DynamicRendezvousHandler.next_rendezvous = (
-        monitor,
-        next_rendezvous,
-    )
+    LocalElasticAgent._monitor_workers, DynamicRendezvousHandler.next_rendezvous = monitor, next_rendezvous
     for number in STOP_SIGNALS:
         signal.signal(number, on_signal)
     try:
@@ -285,10 +220,7 @@ def stopped(number):
     a requeued job would find nothing to do), else 128 + its number, with one line if no worker was training yet."""
     name = signal.Signals(number).name
     if exit_codes and all(code == 0 for code in exit_codes.values()):
-        print(
-            f"{name} came after the last step: the run had finished, and is complete",
-            file=sys.stderr,
-        )
+        print(f"{name} came after the last step: the run had finished, and is complete", file=sys.stderr)
         return 0
     if not any(training for *_, training in stopping.values()):  # nobody to say where it stopped
         print(f"stopped by {name} during start-up: nothing was trained or saved", file=sys.stderr)
