@@ -4,7 +4,7 @@ ChildFailedError traceback:
 
   a bad input     the workers stopped with exit code 2 and rank 0 printed one `error:` line; if torchrun stopped
                   it before it could (another rank failed first), that line comes from the failed rank's error
-                  file (plumbing/hardening.run writes it) and is printed here, by rank 0's node. Exit code 2, and
+                  file (plumbing/failures.run writes it) and is printed here, by rank 0's node. Exit code 2, and
                   no restart: the same input would fail the same way (MAX_RESTARTS is for crashes).
   a retry         a failure that may pass on a retry (a peer lost, a collective's error or timeout, an I/O error):
                   the workers exit with code 75 and torchrun's restarts (MAX_RESTARTS) retry it; when none is left,
@@ -12,7 +12,7 @@ ChildFailedError traceback:
   a crash         the first failed rank's traceback, once, from its error file (the ranks that failed after it,
                   because a peer had gone, are left out), then a line naming the rank. Exit code 1.
   a killed rank   one line: which rank, which signal (SIGKILL: often the kernel's out-of-memory killer). Exit 1.
-  a stop signal   one of hardening.STOP_SIGNALS: SIGTERM, SIGINT, SIGUSR1 (SLURM's warning; torch 2.9's torchrun
+  a stop signal   one of failures.STOP_SIGNALS: SIGTERM, SIGINT, SIGUSR1 (SLURM's warning; torch 2.9's torchrun
                   dies of it), SIGHUP, SIGQUIT: passed on to the workers, which stop together within about a second
                   of training, write a checkpoint and say where; exit code 128 + the signal's number.
                   A rank that does not stop within torchrun's shutdown timeout (30 s) is named in one line before
@@ -36,7 +36,7 @@ def stopped_during_start_up(number, frame):  # until torch is imported and torch
     os._exit(128 + number)  # not sys.exit: raised inside an import, importlib may swallow it; no worker exists yet
 
 
-# hardening.STOP_SIGNALS, which cannot be imported before torch is (tests/test_launch.py checks they are the same)
+# failures.STOP_SIGNALS, which cannot be imported before torch is (tests/test_launch.py checks they are the same)
 for number in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT):
     signal.signal(number, stopped_during_start_up)
 
@@ -57,7 +57,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 from torch.distributed.run import parse_args, run  # noqa: E402  (not main(): its @record would log the failure again)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder holds plumbing/
-from plumbing.hardening import RETRY_EXIT, STOP_SIGNALS  # noqa: E402
+from plumbing.failures import RETRY_EXIT, STOP_SIGNALS  # noqa: E402
 
 stopping = {}  # pid: (rank, when, training) of each worker torchrun signalled to stop (a stop, or a failed peer)
 received = []  # the stop signals this launch received
@@ -99,7 +99,7 @@ class Endings(logging.Filter):
         return not text.startswith(("failed (exitcode", "Sending process", "Unable to shutdown", "Received"))
 
 
-def note(failure):  # what plumbing/hardening.run wrote in the rank's error file: {} when nothing
+def note(failure):  # what plumbing/failures.run wrote in the rank's error file: {} when nothing
     return failure.error_file_data if isinstance(failure.error_file_data.get("message"), str) else {}
 
 
@@ -113,7 +113,7 @@ def this_attempt(failures):
         try:
             with open(path) as file:
                 notes.append(json.load(file))
-        except (OSError, ValueError):  # not written by plumbing/hardening.run (its writes are atomic)
+        except (OSError, ValueError):  # not written by plumbing/failures.run (its writes are atomic)
             pass
     return [n for n in notes if isinstance(n, dict) and isinstance(n.get("message"), str)]
 
@@ -122,7 +122,7 @@ def ending(failures):
     """The one line (and exit code) for torchrun's failures, {global rank: ProcessFailure}."""
     if any(failure.exitcode == 2 for failure in failures.values()):  # the ranks found the same bad input
         notes = [n for n in this_attempt(failures) if n.get("exit_code") == 2]
-        if not notes:  # not through plumbing/hardening.run: whatever the worker printed is above
+        if not notes:  # not through plumbing/failures.run: whatever the worker printed is above
             print(f"error: rank {min(failures)} exited with code 2", file=sys.stderr)
         elif not any(n.get("said") for n in notes) and any(n.get("here") for n in notes):  # the rank to say it is
             print(next(n["message"] for n in notes if n.get("here")), file=sys.stderr)  # on this node, and did not

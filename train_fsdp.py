@@ -79,6 +79,7 @@ def main():
     try:
         mesh = make_mesh(args, device, world_size)  # 1-D, or 2-D for hybrid sharding
         # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
+        # collective: every rank sees what each found, so all train on the same data
         dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
         # drop_last: else the sampler pads the shards by repeating samples, counted twice.
         sampler = DistributedSampler(

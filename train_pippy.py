@@ -100,6 +100,7 @@ def main():
         pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
         num_stages = pipeline_ranks * stages_per_rank(args)
         # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
+        # collective: every rank sees what each found, so all train on the same data
         dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
         # Every stage of replica d walks the same shard d. drop_last: else the sampler pads the
         # shards by repeating samples, counted twice.

@@ -66,6 +66,7 @@ def main():
         mesh = init_device_mesh(device.type, (dp, args.tp), mesh_dim_names=("dp", "tp"))
         dp_rank = mesh.get_local_rank("dp")
         # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
+        # collective: every rank sees what each found, so all train on the same data
         dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
         # One share per tp group: its ranks see the same batch. drop_last: else the sampler pads
         # the shards by repeating samples, counted twice.

@@ -133,8 +133,9 @@ def _end(line, exit_code, rank=None):
     if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's format, and the launcher's
         note = {"message": line, "timestamp": int(time.time()), "time": time.time()}
         note |= {"said": said, "here": here, "exit_code": exit_code}
-        with open(path, "w") as file:
+        with open(path + ".tmp", "w") as file:  # renamed when whole: never half a note
             json.dump(note, file)
+        os.replace(path + ".tmp", path)
     sys.exit(exit_code)
 
 

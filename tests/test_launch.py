@@ -141,10 +141,10 @@ def test_more_processes_than_cores_is_a_one_line_warning():
 
 # How a launch ends when a worker fails or will not stop: one line from launch_torchrun.py (launch.sh's torchrun),
 # never torchrun's ChildFailedError traceback. A worker that fails on purpose is a few lines calling the real
-# hardening.run, as a training script does; the killed and the stuck ones are train_ddp.py.
+# failures.run, as a training script does; the killed and the stuck ones are train_ddp.py.
 WORKER = """import sys, time
 import torch, torch.distributed as dist
-from plumbing import core, hardening
+from plumbing import failures
 
 def main():
     dist.init_process_group("gloo")
@@ -154,7 +154,7 @@ def main():
     dist.barrier()  # rank 1 has gone: gloo fails here, after rank 1
     time.sleep(60)
 
-hardening.run(main)
+failures.run(main)
 """
 ENDINGS = {  # rank 1's line, and what the launch must print after its command line
     # rank 0 fails only because rank 1 has gone: its error is left out, rank 1's traceback is said once
@@ -162,7 +162,7 @@ ENDINGS = {  # rank 1's line, and what the launch must print after its command l
               ["Traceback (most recent call last):", "ValueError: rank 1 went wrong",
                "error: rank 1 (pid {pid}) on {host} failed with exit code 1: its traceback is above"], 1),
     # rank 0 never gets to say it (torchrun stops it first): the launcher prints rank 1's line from its error file
-    "bad-input-found-by-rank-1": ('raise core.UsageError("rank 1 found a bad input")',
+    "bad-input-found-by-rank-1": ('raise failures.UsageError("rank 1 found a bad input")',
                                   ["error: rank 1 found a bad input"], 2),
 }
 
