@@ -66,7 +66,6 @@ class BabyCNN(nn.Module):
             raise ValueError(f"BabyCNN needs width >= 1 and image_size >= 4, got {width} and {image_size}")
         c = 8 * width
         feature_size = image_size // 4  # two 2x2 pools
-        self.config = dict(in_channels=in_channels, num_classes=num_classes, image_size=image_size, width=width)
         self.blocks = nn.Sequential(
             ConvBlock(in_channels, c, pool=True, device=device, dtype=dtype),
             ConvBlock(c, 2 * c, pool=True, device=device, dtype=dtype),

@@ -16,6 +16,7 @@ agree on them and reads them.
 characters (models/shakespeare.py); not among --dataset's choices until the scripts build the GPT.
 """
 
+import argparse
 import fcntl
 import gzip
 import math
@@ -30,11 +31,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from plumbing import core
-
 NUM_CLASSES = 10  # every one of them: ten digits, ten garments, ten CIFAR classes
 BUNDLED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mnist")  # --dataset auto
 DOWNLOAD_TIMEOUT_SECONDS = 5
+
+
+def _positive_int(text):  # argparse type, with the scripts' own flags' messages
+    if (value := int(text)) < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+_positive_int.__name__ = "int"  # argparse's "invalid int value: 'abc'"
 
 
 class DataError(Exception):
@@ -43,7 +51,7 @@ class DataError(Exception):
 
 def add_arguments(parser):  # the bundled model's and data's flags: a copy with its own leaves them out
     add = parser.add_argument
-    add("--width", type=core.number(int, 1), default=1, help="BabyCNN channel multiplier (parameters grow with its "
+    add("--width", type=_positive_int, default=1, help="BabyCNN channel multiplier (parameters grow with its "
         "square)")
     add("--dataset", choices=("auto", "synthetic", *_TORCHVISION), default="auto",
         help="auto: the MNIST files in models/mnist/, no network; mnist: a copy in --data-dir; synthetic: for tests")
