@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import premade  # noqa: E402
+
 from models import BabyCNN  # noqa: E402
 
 parser = argparse.ArgumentParser()
@@ -31,25 +32,46 @@ parser.add_argument("--batch-size", type=int, default=64)
 parser.add_argument("--width", type=int, default=1)
 parser.add_argument("--device", default="cpu", help="cpu or cuda")
 parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-parser.add_argument("--compile", action="store_true", help="compile the whole model, as train_ddp.py's --compile does")
-parser.add_argument("--ddp", action="store_true", help="wrap the model in DDP on a process group of one")
-parser.add_argument("--warmup", type=int, default=None,
-                    help="steps before the clock starts (default 30 on a GPU, 0 on a CPU)")
+parser.add_argument(
+    "--compile",
+    action="store_true",
+    help="compile the whole model, as train_ddp.py's --compile does",
+)
+parser.add_argument(
+    "--ddp", action="store_true", help="wrap the model in DDP on a process group of one"
+)
+parser.add_argument(
+    "--warmup",
+    type=int,
+    default=None,
+    help="steps before the clock starts (default 30 on a GPU, 0 on a CPU)",
+)
 args = parser.parse_args()
 
 device = torch.device(args.device)
 synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 # At most 64 distinct batches, made before the clock starts and cycled: no data work in the loop.
-batches = [(x.to(device), y.to(device)) for x, y in premade.batches(min(args.steps, 64), args.batch_size, seed=0)]
+batches = [
+    (x.to(device), y.to(device))
+    for x, y in premade.batches(min(args.steps, 64), args.batch_size, seed=0)
+]
 torch.manual_seed(0)
 model = BabyCNN(width=args.width, device=device)
 if args.compile:  # as train_ddp.py: CUDA graphs on a GPU
     model.compile(mode="reduce-overhead" if device.type == "cuda" else None)
 optimizer = premade.optimizer(model.parameters())
 if args.ddp:
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
-    model = DDP(model, device_ids=[device.index or 0] if device.type == "cuda" else None, gradient_as_bucket_view=True)
-autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" else nullcontext()
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+    )
+    model = DDP(
+        model,
+        device_ids=[device.index or 0] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+    )
+autocast = (
+    torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" else nullcontext()
+)
 
 
 def train(steps):
@@ -68,7 +90,14 @@ start = time.perf_counter()
 train(args.steps)
 synchronize()  # the clock stops when the GPU has done the work, not when the last kernel was queued
 seconds = time.perf_counter() - start
-print(json.dumps({"samples_per_second": args.steps * args.batch_size / seconds, "seconds": seconds,
-                  "microseconds_per_step": 1e6 * seconds / args.steps}))
+print(
+    json.dumps(
+        {
+            "samples_per_second": args.steps * args.batch_size / seconds,
+            "seconds": seconds,
+            "microseconds_per_step": 1e6 * seconds / args.steps,
+        }
+    )
+)
 if args.ddp:
     dist.destroy_process_group()

@@ -44,12 +44,19 @@ try:
     seconds = []
     for step in range(args.repeats + 1):
         began = time.perf_counter()
-        checkpointer.save(step, {"epoch": 0, "samples_into_epoch": 0}, model, optimizer, 3e-3, torch.zeros(()))
+        checkpointer.save(
+            step, {"epoch": 0, "samples_into_epoch": 0}, model, optimizer, 3e-3, torch.zeros(())
+        )
         seconds.append(time.perf_counter() - began)
     saved = Path(args.checkpoint_dir) / f"step-{args.repeats}"
     files = sum(f.stat().st_size for f in saved.iterdir())
-    result = {"width": args.width, "parameters": parameters, "checkpoint_bytes": files,
-              "save_seconds": statistics.median(seconds[1:]), "seconds_each": seconds[1:]}
+    result = {
+        "width": args.width,
+        "parameters": parameters,
+        "checkpoint_bytes": files,
+        "save_seconds": statistics.median(seconds[1:]),
+        "seconds_each": seconds[1:],
+    }
 finally:
     dist.destroy_process_group()
 print(json.dumps(result))

@@ -46,33 +46,65 @@ ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_te
 
 def parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: NCCL")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: NCCL"
+    )
     parser.add_argument("--world-sizes", type=int, nargs="+", help="default: 2 4 (--quick: 2)")
-    parser.add_argument("--max-bytes", type=int, help="the largest message; default 64 MiB (--quick: 4 MiB)")
-    parser.add_argument("--factor", type=int, help="from one size to the next; default 4 (--quick: 16)")
+    parser.add_argument(
+        "--max-bytes", type=int, help="the largest message; default 64 MiB (--quick: 4 MiB)"
+    )
+    parser.add_argument(
+        "--factor", type=int, help="from one size to the next; default 4 (--quick: 16)"
+    )
     parser.add_argument("--repeats", type=int, help="samples per point; default 7 (--quick: 3)")
-    parser.add_argument("--rounds", type=int, help="whole sweeps, medians over them; default 3 (--quick: 1)")
-    parser.add_argument("--sample-ms", type=float, help="a sample's calls take at least this; default 20 (--quick: 2)")
+    parser.add_argument(
+        "--rounds", type=int, help="whole sweeps, medians over them; default 3 (--quick: 1)"
+    )
+    parser.add_argument(
+        "--sample-ms",
+        type=float,
+        help="a sample's calls take at least this; default 20 (--quick: 2)",
+    )
     parser.add_argument("--quick", action="store_true", help="the smoke test's size: a few seconds")
-    parser.add_argument("--refit", action="store_true",
-                        help="measure nothing: refit the points already in --out's JSON, rewrite it and the plot")
-    parser.add_argument("--out", help="where collectives.json goes; default benchmarks/results (--quick: a temporary folder)")
-    parser.add_argument("--plot", help="default docs/images/collectives.png (--quick: beside the JSON)")
+    parser.add_argument(
+        "--refit",
+        action="store_true",
+        help="measure nothing: refit the points already in --out's JSON, rewrite it and the plot",
+    )
+    parser.add_argument(
+        "--out",
+        help="where collectives.json goes; default benchmarks/results (--quick: a temporary folder)",
+    )
+    parser.add_argument(
+        "--plot", help="default docs/images/collectives.png (--quick: beside the JSON)"
+    )
     parser.add_argument("--metrics", help="write the report's JSON here too (the docs' exercises)")
     args = parser.parse_args()
     quick = args.quick
-    defaults = dict(world_sizes=[2] if quick else [2, 4], max_bytes=4 << 20 if quick else 64 << 20,
-                    factor=16 if quick else 4, repeats=3 if quick else 7, rounds=1 if quick else 3,
-                    sample_ms=2.0 if quick else 20.0)
+    defaults = dict(
+        world_sizes=[2] if quick else [2, 4],
+        max_bytes=4 << 20 if quick else 64 << 20,
+        factor=16 if quick else 4,
+        repeats=3 if quick else 7,
+        rounds=1 if quick else 3,
+        sample_ms=2.0 if quick else 20.0,
+    )
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     suffix = "" if args.device == "cpu" else "_nccl"
     if args.out is None:
-        args.out = tempfile.mkdtemp(prefix="collectives-") if quick else str(ROOT / "benchmarks" / "results")
+        args.out = (
+            tempfile.mkdtemp(prefix="collectives-")
+            if quick
+            else str(ROOT / "benchmarks" / "results")
+        )
     if args.plot is None:
-        args.plot = str(Path(args.out) / f"collectives{suffix}.png") if quick else \
-            str(ROOT / "docs" / "images" / f"collectives{suffix}.png")
+        args.plot = (
+            str(Path(args.out) / f"collectives{suffix}.png")
+            if quick
+            else str(ROOT / "docs" / "images" / f"collectives{suffix}.png")
+        )
     args.json = str(Path(args.out) / f"collectives{suffix}.json")
     return args
 
@@ -87,6 +119,7 @@ def sizes(max_bytes, factor):
 
 # ---- the workers ----
 
+
 def worker(rank, world_size, port, args, path):
     torch.set_num_threads(1)
     if args.device == "cuda":
@@ -95,7 +128,9 @@ def worker(rank, world_size, port, args, path):
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
     try:
         points = {name: [] for name in COLLECTIVES}
         for name in COLLECTIVES:
@@ -131,6 +166,7 @@ def operation(name, numel, rank, world_size, device):
         elif rank == 1:
             dist.recv(whole, 0)
             dist.send(whole, 0)
+
     return ping_pong
 
 
@@ -169,9 +205,13 @@ def sweep(world_size, args):
     """One sweep on world_size processes: {collective: [[bytes, seconds], ...]}."""
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "points.json"
-        mp.spawn(worker, args=(world_size, free_port(), args, str(path)), nprocs=world_size, join=True)
+        mp.spawn(
+            worker, args=(world_size, free_port(), args, str(path)), nprocs=world_size, join=True
+        )
         points = json.loads(path.read_text())
-    points["send_recv"] = [[n, t / 2] for n, t in points["send_recv"]]  # one way: half the round trip
+    points["send_recv"] = [
+        [n, t / 2] for n, t in points["send_recv"]
+    ]  # one way: half the round trip
     return points
 
 
@@ -217,9 +257,12 @@ def fitted_entry(world_size, medians):
     fitted = result["collectives"]["all_reduce"]
     alpha, beta = ring(world_size, link["alpha_s"], link["beta_s_per_byte"])
     fitted["ring_model"] = {
-        "latency_steps": 2 * (world_size - 1), "share_of_tensor": 2 * (world_size - 1) / world_size,
-        "alpha_s": alpha, "beta_s_per_byte": beta,  # predicted from send_recv's fit
-        "alpha_vs_fit": fitted["alpha_s"] / alpha, "beta_vs_fit": fitted["beta_s_per_byte"] / beta,
+        "latency_steps": 2 * (world_size - 1),
+        "share_of_tensor": 2 * (world_size - 1) / world_size,
+        "alpha_s": alpha,
+        "beta_s_per_byte": beta,  # predicted from send_recv's fit
+        "alpha_vs_fit": fitted["alpha_s"] / alpha,
+        "beta_vs_fit": fitted["beta_s_per_byte"] / beta,
         # the fit's α and β read back through the ring model: one link's, as all_reduce sees it
         "link_alpha_s": fitted["alpha_s"] / (2 * (world_size - 1)),
         "link_beta_s_per_byte": fitted["beta_s_per_byte"] * world_size / (2 * (world_size - 1)),
@@ -228,6 +271,7 @@ def fitted_entry(world_size, medians):
 
 
 # ---- output ----
+
 
 def describe(alpha, beta):
     return f"α = {alpha * 1e6:,.0f} µs, β = {beta * 1e9:.3f} ns/B ({1 / beta / 1e9:.2f} GB/s)"
@@ -244,21 +288,33 @@ def table(report):
     lines = []
     for entry in report["results"]:
         world_size, found = entry["world_size"], entry["collectives"]
-        lines += [f"\nW = {world_size} ({report['backend']}): median seconds per call (send_recv: one way)",
-                  "| bytes | " + " | ".join(COLLECTIVES) + " |", "| --- |" + " --- |" * len(COLLECTIVES)]
+        lines += [
+            f"\nW = {world_size} ({report['backend']}): median seconds per call (send_recv: one way)",
+            "| bytes | " + " | ".join(COLLECTIVES) + " |",
+            "| --- |" + " --- |" * len(COLLECTIVES),
+        ]
         every = sorted({n for name in COLLECTIVES for n, _ in found[name]["points"]})
         for n in every:
-            cells = [next((f"{t * 1e6:,.0f} µs" for m, t in found[name]["points"] if m == n), "") for name in COLLECTIVES]
+            cells = [
+                next((f"{t * 1e6:,.0f} µs" for m, t in found[name]["points"] if m == n), "")
+                for name in COLLECTIVES
+            ]
             lines.append(f"| {bytes_label(n)} | " + " | ".join(cells) + " |")
         lines.append("")
         for name in COLLECTIVES:
-            lines.append(f"{name:>15}: t = α + n·β, {describe(found[name]['alpha_s'], found[name]['beta_s_per_byte'])}")
+            lines.append(
+                f"{name:>15}: t = α + n·β, {describe(found[name]['alpha_s'], found[name]['beta_s_per_byte'])}"
+            )
         model = found["all_reduce"]["ring_model"]
-        lines.append(f"{'ring model':>15}: from send_recv, 2(W−1)·α' + 2(W−1)/W·n·β' = "
-                     f"{describe(model['alpha_s'], model['beta_s_per_byte'])}; measured/model: α {model['alpha_vs_fit']:.2f}, "
-                     f"β {model['beta_vs_fit']:.2f}")
+        lines.append(
+            f"{'ring model':>15}: from send_recv, 2(W−1)·α' + 2(W−1)/W·n·β' = "
+            f"{describe(model['alpha_s'], model['beta_s_per_byte'])}; measured/model: α {model['alpha_vs_fit']:.2f}, "
+            f"β {model['beta_vs_fit']:.2f}"
+        )
     if report["backend"] == "gloo":
-        lines.append("\nNCCL (GPUs): not measured here; run with --device cuda on a machine with 2 or more GPUs.")
+        lines.append(
+            "\nNCCL (GPUs): not measured here; run with --device cuda on a machine with 2 or more GPUs."
+        )
     return "\n".join(lines)
 
 
@@ -278,15 +334,40 @@ def plot(report, path):
             line = [min(ns), *ns] if ns else []
             if name == "ring":
                 model = target["ring_model"]
-                ax.plot(ns, [t for _, t in target["points"]], "o", color=colour, label=f"W = {world_size}: all_reduce, measured")
-                ax.plot(line, [model["alpha_s"] + n * model["beta_s_per_byte"] for n in line], "--", color=colour,
-                        label=f"ring model from send_recv: {describe(model['alpha_s'], model['beta_s_per_byte'])}")
+                ax.plot(
+                    ns,
+                    [t for _, t in target["points"]],
+                    "o",
+                    color=colour,
+                    label=f"W = {world_size}: all_reduce, measured",
+                )
+                ax.plot(
+                    line,
+                    [model["alpha_s"] + n * model["beta_s_per_byte"] for n in line],
+                    "--",
+                    color=colour,
+                    label=f"ring model from send_recv: {describe(model['alpha_s'], model['beta_s_per_byte'])}",
+                )
                 continue
-            ax.plot(ns, [t for _, t in target["points"]], "o", color=colour, label=f"W = {world_size}, measured")
-            ax.plot(line, [target["alpha_s"] + n * target["beta_s_per_byte"] for n in line], "-", color=colour,
-                    label=f"fit: {describe(target['alpha_s'], target['beta_s_per_byte'])}")
-        title = "all_reduce against the ring model from send/recv" if name == "ring" else \
-            ("send/recv, one way (ranks 0 and 1)" if name == "send_recv" else name)
+            ax.plot(
+                ns,
+                [t for _, t in target["points"]],
+                "o",
+                color=colour,
+                label=f"W = {world_size}, measured",
+            )
+            ax.plot(
+                line,
+                [target["alpha_s"] + n * target["beta_s_per_byte"] for n in line],
+                "-",
+                color=colour,
+                label=f"fit: {describe(target['alpha_s'], target['beta_s_per_byte'])}",
+            )
+        title = (
+            "all_reduce against the ring model from send/recv"
+            if name == "ring"
+            else ("send/recv, one way (ranks 0 and 1)" if name == "send_recv" else name)
+        )
         ax.set(title=title, xscale="log", yscale="log")
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=7, loc="upper left")
@@ -296,10 +377,13 @@ def plot(report, path):
         ax.set_ylabel("seconds per call")
     m = report["machine"]
     note = " NCCL on GPUs: not measured (no GPU here)." if report["backend"] == "gloo" else ""
-    fig.suptitle(f"{report['backend']} on {report['device']}: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "
-                 f"median of {report['repeats']} samples × {report['rounds']} rounds.{note}\n"
-                 f"Fitted lines: α = the median time up to {bytes_label(SMALL)}, "
-                 f"β = the median of (t − α) / n from {bytes_label(LARGE)} on.", fontsize=10)
+    fig.suptitle(
+        f"{report['backend']} on {report['device']}: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "
+        f"median of {report['repeats']} samples × {report['rounds']} rounds.{note}\n"
+        f"Fitted lines: α = the median time up to {bytes_label(SMALL)}, "
+        f"β = the median of (t − α) / n from {bytes_label(LARGE)} on.",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
@@ -309,10 +393,21 @@ def machine():
 
     cpu = platform.processor()
     if Path("/proc/cpuinfo").exists():
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), cpu)
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
-            "python": platform.python_version()}
+        cpu = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            cpu,
+        )
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "gpus": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def main():
@@ -320,9 +415,13 @@ def main():
     os.environ["OMP_NUM_THREADS"] = "1"  # the spawned processes inherit it
     if args.refit:  # the saved points, fitted again; the timings are not touched
         report = json.loads(Path(args.json).read_text())
-        report["results"] = [fitted_entry(entry["world_size"], {name: found["points"] for name, found in
-                                                                 entry["collectives"].items()})
-                             for entry in report["results"]]
+        report["results"] = [
+            fitted_entry(
+                entry["world_size"],
+                {name: found["points"] for name, found in entry["collectives"].items()},
+            )
+            for entry in report["results"]
+        ]
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         plot(report, args.plot)
         print(table(report))
@@ -333,7 +432,9 @@ def main():
             sys.exit("collectives: --device cuda needs GPUs, and torch sees none")
         args.world_sizes = [w for w in args.world_sizes if w <= torch.cuda.device_count()]
         if not args.world_sizes:
-            sys.exit(f"collectives: {torch.cuda.device_count()} GPU(s): one process per GPU, and a collective needs 2")
+            sys.exit(
+                f"collectives: {torch.cuda.device_count()} GPU(s): one process per GPU, and a collective needs 2"
+            )
     backend = "nccl" if args.device == "cuda" else "gloo"
     results = []
     for world_size in args.world_sizes:
@@ -342,12 +443,22 @@ def main():
             print(f"{backend}, W = {world_size}: round {round_ + 1} of {args.rounds}", flush=True)
             rounds.append(sweep(world_size, args))
         results.append(analyse(world_size, rounds))
-    report = {"backend": backend, "device": args.device, "machine": machine(), "repeats": args.repeats,
-              "rounds": args.rounds, "sample_ms": args.sample_ms, "quick": args.quick, "dtype": "float32",
-              "message": "n = bytes of the whole tensor: input of broadcast, all_reduce, reduce_scatter; output of all_gather",
-              "results": results}
+    report = {
+        "backend": backend,
+        "device": args.device,
+        "machine": machine(),
+        "repeats": args.repeats,
+        "rounds": args.rounds,
+        "sample_ms": args.sample_ms,
+        "quick": args.quick,
+        "dtype": "float32",
+        "message": "n = bytes of the whole tensor: input of broadcast, all_reduce, reduce_scatter; output of all_gather",
+        "results": results,
+    }
     if backend == "gloo":
-        report["nccl"] = "not measured: this run had no GPU; python benchmarks/collectives.py --device cuda on one"
+        report["nccl"] = (
+            "not measured: this run had no GPU; python benchmarks/collectives.py --device cuda on one"
+        )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     if args.metrics:

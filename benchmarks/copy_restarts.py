@@ -29,7 +29,9 @@ from test_template import copy_command, copy_section, make_copy  # noqa: E402
 parser = argparse.ArgumentParser()
 parser.add_argument("--kills", type=int, default=20)
 parser.add_argument("--script", default="train_ddp.py", choices=("train_ddp.py", "train_fsdp.py"))
-parser.add_argument("--plain", action="store_true", help="the README's plain torchrun command, not launch.sh")
+parser.add_argument(
+    "--plain", action="store_true", help="the README's plain torchrun command, not launch.sh"
+)
 args = parser.parse_args()
 
 
@@ -46,12 +48,18 @@ def main():
         project, _ = make_copy(Path(home), [args.script])
         env = launcher_env(NPROC_PER_NODE=2, MAX_RESTARTS=1, PYTHONPATH=project)
         common = [*command(), "--log-every", "10", "--checkpoint-every", "20", "--no-eval"]
-        never = Run([*common, "--checkpoint-dir", "never", "--save", "never.pt"], env=env, cwd=project).wait()
+        never = Run(
+            [*common, "--checkpoint-dir", "never", "--save", "never.pt"], env=env, cwd=project
+        ).wait()
         if never.returncode:
             sys.exit(f"copy_restarts.py: the run never killed failed:\n{never.output[-3000:]}")
         reference, outcomes, started = load_weights(project / "never.pt"), [], time.monotonic()
         for kill in range(args.kills):
-            run = Run([*common, "--checkpoint-dir", f"k{kill}", "--save", f"k{kill}.pt"], env=env, cwd=project)
+            run = Run(
+                [*common, "--checkpoint-dir", f"k{kill}", "--save", f"k{kill}.pt"],
+                env=env,
+                cwd=project,
+            )
             wait_for(project / f"k{kill}" / "step-20", run)
             os.kill(worker_pids(run.process.pid)[1], signal.SIGKILL)
             run.wait()
@@ -65,9 +73,18 @@ def main():
                 outcome = "restarted, bitwise"
             outcomes.append(outcome)
             print(f"kill {kill + 1}: {outcome}", file=sys.stderr, flush=True)
-    print(json.dumps({"script": args.script, "launcher": "torchrun" if args.plain else "launch.sh",
-                      "kills": args.kills, "restarted_bitwise": outcomes.count("restarted, bitwise"),
-                      "outcomes": outcomes, "seconds": round(time.monotonic() - started)}))
+    print(
+        json.dumps(
+            {
+                "script": args.script,
+                "launcher": "torchrun" if args.plain else "launch.sh",
+                "kills": args.kills,
+                "restarted_bitwise": outcomes.count("restarted, bitwise"),
+                "outcomes": outcomes,
+                "seconds": round(time.monotonic() - started),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -51,10 +51,21 @@ with tempfile.TemporaryDirectory() as root:
     for prefix, n in (("train", count), ("t10k", 1)):
         header = struct.pack(">BBBBIII", 0, 0, 8, 3, n, 28, 28)
         (raw / f"{prefix}-images-idx3-ubyte").write_bytes(header + images[:n, 0].numpy().tobytes())
-        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">BBBBI", 0, 0, 8, 1, n) + labels[:n].to(torch.uint8).numpy().tobytes())
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(
+            struct.pack(">BBBBI", 0, 0, 8, 1, n) + labels[:n].to(torch.uint8).numpy().tobytes()
+        )
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((mean,), (std,))])
     dataset = torchvision.datasets.MNIST(root, train=True, download=False, transform=transform)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=0)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=args.batch_size, shuffle=True, num_workers=0
+    )
     dataloader = timed(iter(loader))
 
-print(json.dumps({"device_loader_samples_per_second": device_loader, "dataloader_samples_per_second": dataloader}))
+print(
+    json.dumps(
+        {
+            "device_loader_samples_per_second": device_loader,
+            "dataloader_samples_per_second": dataloader,
+        }
+    )
+)

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import premade  # noqa: E402
+
 from models import BabyCNN  # noqa: E402
 
 parser = argparse.ArgumentParser()
@@ -44,7 +45,9 @@ def main():
     optimizer = premade.optimizer(model.parameters())
     last_gradient = [0.0]
     for parameter in model.parameters():  # registered after DDP's own hooks, so they run after them
-        parameter.register_post_accumulate_grad_hook(lambda _: last_gradient.__setitem__(0, time.perf_counter()))
+        parameter.register_post_accumulate_grad_hook(
+            lambda _: last_gradient.__setitem__(0, time.perf_counter())
+        )
 
     times = []  # per step: start, last gradient ready, backward returned
     dist.barrier()
@@ -63,7 +66,10 @@ def main():
             dist.all_reduce(tensor)
         return (time.perf_counter() - begin) / repeats * 1000
 
-    idle = {"gradients": idle_allreduce_ms(sum(p.numel() for p in model.parameters())), "one_float": idle_allreduce_ms(1)}
+    idle = {
+        "gradients": idle_allreduce_ms(sum(p.numel() for p in model.parameters())),
+        "one_float": idle_allreduce_ms(1),
+    }
     everyone = [None] * world_size
     dist.all_gather_object(everyone, times)
     if rank == 0:
@@ -72,14 +78,18 @@ def main():
         compute = [ranks[i][1] - ranks[i][0] for ranks in everyone for i in steps]
         wait = [latest[k] - ranks[i][1] for ranks in everyone for k, i in enumerate(steps)]
         exchange = [ranks[i][2] - latest[k] for ranks in everyone for k, i in enumerate(steps)]
-        print(json.dumps({
-            "world_size": world_size,
-            "compute_ms": statistics.mean(compute) * 1000,
-            "wait_ms": statistics.mean(wait) * 1000,
-            "allreduce_ms": statistics.mean(exchange) * 1000,
-            "idle_allreduce_ms": idle["gradients"],
-            "idle_allreduce_one_float_ms": idle["one_float"],
-        }))
+        print(
+            json.dumps(
+                {
+                    "world_size": world_size,
+                    "compute_ms": statistics.mean(compute) * 1000,
+                    "wait_ms": statistics.mean(wait) * 1000,
+                    "allreduce_ms": statistics.mean(exchange) * 1000,
+                    "idle_allreduce_ms": idle["gradients"],
+                    "idle_allreduce_one_float_ms": idle["one_float"],
+                }
+            )
+        )
 
 
 dist.init_process_group("gloo")

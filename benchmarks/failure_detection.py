@@ -27,7 +27,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ERRORS = ("Connection closed by peer", "Connection reset by peer", "DistBackendError", "Broken pipe")
+ERRORS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "DistBackendError",
+    "Broken pipe",
+)
 
 
 def children_by_rank(parent):
@@ -59,12 +64,35 @@ def running(pid):
 
 
 def trial(train_seconds, timeout):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=str(ROOT),
+        CUDA_VISIBLE_DEVICES="",
+    )
     env.pop("RANK", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(ROOT / "train_ddp.py"), "--dataset", "synthetic", "--epochs", "1000", "--no-eval"]
-    job = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           start_new_session=True)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(ROOT / "train_ddp.py"),
+        "--dataset",
+        "synthetic",
+        "--epochs",
+        "1000",
+        "--no-eval",
+    ]
+    job = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     lines = []  # (arrival time, line)
 
     def read():
@@ -75,9 +103,13 @@ def trial(train_seconds, timeout):
     reader.start()
     try:
         deadline = time.monotonic() + timeout
-        while not any("DDP on 2 rank(s)" in line for _, line in lines):  # its last line before training
+        while not any(
+            "DDP on 2 rank(s)" in line for _, line in lines
+        ):  # its last line before training
             if job.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the job never started training:\n" + "".join(line for _, line in lines)[-3000:])
+                raise RuntimeError(
+                    "the job never started training:\n" + "".join(line for _, line in lines)[-3000:]
+                )
             time.sleep(0.05)
         time.sleep(train_seconds)
         workers = children_by_rank(job.pid)
@@ -96,7 +128,9 @@ def trial(train_seconds, timeout):
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     rank0_end = rank0_end or torchrun_end
-    first_error = next((t for t, line in lines if t >= killed and any(e in line for e in ERRORS)), None)
+    first_error = next(
+        (t for t, line in lines if t >= killed and any(e in line for e in ERRORS)), None
+    )
     return {
         "rank0_error_line_s": None if first_error is None else first_error - killed,
         "rank0_exit_s": rank0_end - killed,
@@ -108,24 +142,47 @@ def trial(train_seconds, timeout):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--train-seconds", type=float, default=2.0, help="training time before the kill")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds a start or an ending may take")
+    parser.add_argument(
+        "--train-seconds", type=float, default=2.0, help="training time before the kill"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds a start or an ending may take"
+    )
     args = parser.parse_args()
     trials = []
     for number in range(1, args.trials + 1):
         result = trial(args.train_seconds, args.timeout)
         trials.append(result)
-        print(f"trial {number}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                                              for k, v in result.items()), flush=True)
+        print(
+            f"trial {number}: "
+            + ", ".join(
+                f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()
+            ),
+            flush=True,
+        )
     print("\n| from SIGKILL of rank 1 to | median | min | max |\n| --- | --- | --- | --- |")
     summary = {}
-    for key, label in (("rank0_error_line_s", "rank 0's first error line"), ("rank0_exit_s", "rank 0's exit"),
-                       ("torchrun_exit_s", "torchrun's exit")):
+    for key, label in (
+        ("rank0_error_line_s", "rank 0's first error line"),
+        ("rank0_exit_s", "rank 0's exit"),
+        ("torchrun_exit_s", "torchrun's exit"),
+    ):
         values = [t[key] for t in trials if t[key] is not None]
         if values:
-            summary[key] = {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-            print(f"| {label} | {summary[key]['median']:.3f} s | {min(values):.3f} s | {max(values):.3f} s |"
-                  + ("" if len(values) == len(trials) else f" ({len(values)} of {len(trials)} trials)"))
+            summary[key] = {
+                "median": statistics.median(values),
+                "min": min(values),
+                "max": max(values),
+                "n": len(values),
+            }
+            print(
+                f"| {label} | {summary[key]['median']:.3f} s | {min(values):.3f} s | {max(values):.3f} s |"
+                + (
+                    ""
+                    if len(values) == len(trials)
+                    else f" ({len(values)} of {len(trials)} trials)"
+                )
+            )
         else:
             print(f"| {label} | none seen | | |")
     print(json.dumps({"trials": trials, "summary": summary}))

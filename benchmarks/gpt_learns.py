@@ -61,20 +61,36 @@ args = parser.parse_args()
 torch.set_num_threads(args.threads)  # one, as each rank of the scripts' CPU runs
 started = time.perf_counter()
 device = torch.device("cpu")
-train_set, val_set = shakespeare.datasets(shakespeare.split(shakespeare.read()), device,
-                                          args.block_size)
+train_set, val_set = shakespeare.datasets(
+    shakespeare.split(shakespeare.read()), device, args.block_size
+)
 torch.manual_seed(args.seed)
 model = GPT(train_set.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd)
-sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed,
-                             drop_last=True)
+sampler = DistributedSampler(
+    train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True
+)
 train_batches = core.Batches(train_set, args.batch_size, device, torch.float32)
 val_batches = core.Batches(val_set, 64, device, torch.float32)
-schedule = argparse.Namespace(lr=args.lr, optimizer="adamw", scale_lr=False, lr_schedule="cosine",
-                              warmup_steps=args.warmup_steps, weight_decay=args.weight_decay)
+schedule = argparse.Namespace(
+    lr=args.lr,
+    optimizer="adamw",
+    scale_lr=False,
+    lr_schedule="cosine",
+    warmup_steps=args.warmup_steps,
+    weight_decay=args.weight_decay,
+)
 _, _, lr_at = core.lr_schedule(schedule, args.batch_size, args.steps)
 optimizer = core.make_optimizer(schedule, model.parameters())
-print(json.dumps({"parameters": sum(p.numel() for p in model.parameters()),
-                  "windows_per_epoch": len(train_set), "config": vars(args)}), flush=True)
+print(
+    json.dumps(
+        {
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "windows_per_epoch": len(train_set),
+            "config": vars(args),
+        }
+    ),
+    flush=True,
+)
 
 
 def evaluate():
@@ -105,9 +121,14 @@ while step < args.steps:
         cpu_seconds += time.process_time() - cpu
         if step % args.eval_every == 0 or step == args.steps:
             val_loss = evaluate()
-            point = {"step": step, "epoch": round(step * args.batch_size / len(train_set), 3),
-                     "train_seconds": round(train_seconds, 1), "cpu_seconds": round(cpu_seconds, 1),
-                     "train_loss": round(loss.item(), 4), "val_loss": round(val_loss, 4)}
+            point = {
+                "step": step,
+                "epoch": round(step * args.batch_size / len(train_set), 3),
+                "train_seconds": round(train_seconds, 1),
+                "cpu_seconds": round(cpu_seconds, 1),
+                "train_loss": round(loss.item(), 4),
+                "val_loss": round(val_loss, 4),
+            }
             curve.append(point)
             print(json.dumps(point), flush=True)
             if reached is None and val_loss <= args.target:
@@ -121,8 +142,19 @@ if args.sample:
     start = torch.zeros(1, 1, dtype=torch.int64)  # a newline, id 0
     generator = torch.Generator().manual_seed(args.seed)
     text = val_set.decode(generate(model, start, args.sample, generator=generator)[0, 1:])
-print(json.dumps({"reached_target": reached is not None, "target": args.target, "at": reached,
-                  "final_val_loss": curve[-1]["val_loss"], "train_seconds": round(train_seconds, 1),
-                  "cpu_seconds": round(cpu_seconds, 1), "setup_seconds": round(setup_seconds, 1),
-                  "wall_seconds": round(time.perf_counter() - started, 1), "sample": text}),
-      flush=True)
+print(
+    json.dumps(
+        {
+            "reached_target": reached is not None,
+            "target": args.target,
+            "at": reached,
+            "final_val_loss": curve[-1]["val_loss"],
+            "train_seconds": round(train_seconds, 1),
+            "cpu_seconds": round(cpu_seconds, 1),
+            "setup_seconds": round(setup_seconds, 1),
+            "wall_seconds": round(time.perf_counter() - started, 1),
+            "sample": text,
+        }
+    ),
+    flush=True,
+)

@@ -47,8 +47,11 @@ def steady_state(metrics, log_every=20):
     """compare.py's own steady_state, taken from its source: importing compare.py imports torch (2 s
     a step, in a dry run too), which this function does not use."""
     source = (ROOT / "benchmarks" / "compare.py").read_text()
-    node = next(n for n in ast.parse(source).body
-                if isinstance(n, ast.FunctionDef) and n.name == "steady_state")
+    node = next(
+        n
+        for n in ast.parse(source).body
+        if isinstance(n, ast.FunctionDef) and n.name == "steady_state"
+    )
     scope = {}
     exec(compile(ast.Module(body=[node], type_ignores=[]), "compare.py", "exec"), scope)  # noqa: S102
     return scope["steady_state"](metrics, log_every)
@@ -112,8 +115,12 @@ class Step:
     def _terminated(self, number, frame):
         for launch in self.running:
             launch.kill()
-            self.row(launch.check, show(launch.argv, self.out), "timed out",
-                     f"killed: the step's {self.budget} s ran out, or the check was stopped")
+            self.row(
+                launch.check,
+                show(launch.argv, self.out),
+                "timed out",
+                f"killed: the step's {self.budget} s ran out, or the check was stopped",
+            )
         sys.exit(124)
 
     def left(self):
@@ -138,9 +145,15 @@ class Step:
         child_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         child_env.pop("RANK", None)  # the check may itself run under a launcher
         with open(log, "w") as file:
-            process = subprocess.Popen(argv, cwd=ROOT, env=child_env, stdout=file,
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       start_new_session=True)
+            process = subprocess.Popen(
+                argv,
+                cwd=ROOT,
+                env=child_env,
+                stdout=file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         launch = Launch(name, check, argv, process, log)
         self.running.append(launch)
         return launch
@@ -163,28 +176,54 @@ class Step:
         """A row for a launch that timed out, failed or lacks ``expect`` in its output, or None."""
         command, log = show(launch.argv, self.out), f"log: logs/{launch.name}.log"
         if launch.timed_out and launch.process is None:
-            return self.row(launch.check, command, "timed out",
-                            f"not started: the step's {self.budget} s were spent")
+            return self.row(
+                launch.check,
+                command,
+                "timed out",
+                f"not started: the step's {self.budget} s were spent",
+            )
         if launch.timed_out:
-            return self.row(launch.check, command, "timed out",
-                            f"after {launch.seconds:.0f} s, all the step had left; {log}",
-                            launch.seconds)
+            return self.row(
+                launch.check,
+                command,
+                "timed out",
+                f"after {launch.seconds:.0f} s, all the step had left; {log}",
+                launch.seconds,
+            )
         if launch.returncode != 0 or (expect and not self.dry and expect not in launch.output):
             why = last_error(launch.output) if launch.returncode else f"no {expect!r} in its output"
-            return self.row(launch.check, command, "failed",
-                            f"exit code {launch.returncode}: {why}; {log}", launch.seconds)
+            return self.row(
+                launch.check,
+                command,
+                "failed",
+                f"exit code {launch.returncode}: {why}; {log}",
+                launch.seconds,
+            )
         return None
 
     def row(self, check, command, status, figures="", seconds=None):
-        self.rows.append({"step": self.name, "check": check, "command": command, "status": status,
-                          "figures": figures, "seconds": seconds})
+        self.rows.append(
+            {
+                "step": self.name,
+                "check": check,
+                "command": command,
+                "status": status,
+                "figures": figures,
+                "seconds": seconds,
+            }
+        )
         self.save()
         return self.rows[-1]
 
     def save(self):
-        record = {"step": self.name, "dry_run": self.dry, "budget": self.budget,
-                  "seconds": time.monotonic() - self.began, "rows": self.rows,
-                  "commands": self.commands}
+        record = {
+            "step": self.name,
+            "dry_run": self.dry,
+            "budget": self.budget,
+            "seconds": time.monotonic() - self.began,
+            "rows": self.rows,
+            "commands": self.commands,
+        }
         temporary = self.out / f".{self.name}.json"
         temporary.write_text(json.dumps(record, indent=2) + "\n")
         temporary.replace(self.out / f"{self.name}.json")  # never half a file, even if killed
@@ -199,17 +238,29 @@ def last_error(output):
 
 def pretend(argv):
     """A dry run's stand-in for a command's output, and for its --metrics file, in their shapes."""
+
     def value(flag, default):
         return int(argv[argv.index(flag) + 1]) if flag in argv else default
 
     if "--metrics" in argv:
         steps, batch = value("--max-steps", 200), value("--batch-size", 64)
         curve = [[s, 2.0 / s, s / 1000] for s in range(20, steps + 1, 20)]
-        Path(argv[argv.index("--metrics") + 1]).write_text(json.dumps({
-            "steps": steps, "global_batch_size": batch, "train_seconds": steps / 1000,
-            "loss_curve": curve, "samples_per_second": batch * 1000.0,
-            "final_train_loss": curve[-1][1], "test_loss": 0.05, "test_accuracy": 0.99,
-            "mfu": None, "ranks": [{"rank": 0, "peak_memory_bytes": 2**20}]}))
+        Path(argv[argv.index("--metrics") + 1]).write_text(
+            json.dumps(
+                {
+                    "steps": steps,
+                    "global_batch_size": batch,
+                    "train_seconds": steps / 1000,
+                    "loss_curve": curve,
+                    "samples_per_second": batch * 1000.0,
+                    "final_train_loss": curve[-1][1],
+                    "test_loss": 0.05,
+                    "test_accuracy": 0.99,
+                    "mfu": None,
+                    "ranks": [{"rank": 0, "peak_memory_bytes": 2**20}],
+                }
+            )
+        )
     if any(a.endswith("bare_loop.py") for a in argv):
         return json.dumps({"samples_per_second": 1000.0, "seconds": 1.0}) + "\n"
     return "dry run: not run\n"
@@ -225,19 +276,32 @@ def rate(value):
 
 # ---- the steps ----
 
+
 def step_env(step):
     """Torch, CUDA, the GPU, the commit and the date; without a GPU (not dry), the check stops."""
     commit = "unknown"
     if (ROOT / ".git").exists():
         with contextlib.suppress(OSError, subprocess.SubprocessError):
+
             def git(*args):
-                return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                                      timeout=10, check=False).stdout.strip()
+                return subprocess.run(
+                    ["git", *args],
+                    cwd=ROOT,
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                    check=False,
+                ).stdout.strip()
+
             commit = git("rev-parse", "--short", "HEAD") or "unknown"
             if commit != "unknown" and git("status", "--porcelain", "--untracked-files=no"):
                 commit += " (with uncommitted changes)"
-    env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
-           "python": platform.python_version(), "host_cores": os.cpu_count()}
+    env = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit,
+        "python": platform.python_version(),
+        "host_cores": os.cpu_count(),
+    }
     if step.dry:  # torch's version without importing it: a dry run stays quick
         env.update(torch=importlib.metadata.version("torch"), cuda=None, gpu="none (dry run)")
     else:
@@ -246,12 +310,18 @@ def step_env(step):
         except ImportError as error:
             sys.exit(f"error: {PYTHON} cannot import torch ({error}): set PYTHON to one that can")
         if not torch.cuda.is_available():
-            sys.exit("error: torch sees no CUDA GPU (torch.cuda.is_available() is False): run it "
-                     "on a machine with an NVIDIA GPU, or check its commands with --dry-run")
+            sys.exit(
+                "error: torch sees no CUDA GPU (torch.cuda.is_available() is False): run it "
+                "on a machine with an NVIDIA GPU, or check its commands with --dry-run"
+            )
         try:
-            env.update(torch=torch.__version__, cuda=torch.version.cuda,
-                       gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
-                       cudnn=torch.backends.cudnn.version())
+            env.update(
+                torch=torch.__version__,
+                cuda=torch.version.cuda,
+                gpu=torch.cuda.get_device_name(0),
+                gpus=torch.cuda.device_count(),
+                cudnn=torch.backends.cudnn.version(),
+            )
         except RuntimeError as error:  # a driver too old for this torch's CUDA, say
             sys.exit(f"error: CUDA does not start: {' '.join(str(error).split())[:300]}")
     (step.out / "machine.json").write_text(json.dumps(env, indent=2) + "\n")
@@ -261,19 +331,36 @@ def step_env(step):
 def step_pytest(step):
     # 4 workers taking single tests (--dist load; pytest.ini's loadfile would give one the whole
     # file): each test's launches are mostly start-up, and the GPU has room for 4 at a time.
-    launch = step.run("pytest", "tests/test_gpu.py",
-                      [PYTHON, "-m", "pytest", "tests/test_gpu.py", "-n", "4", "--dist", "load",
-                       "-v", "--junitxml", step.out / "pytest.xml"])
+    launch = step.run(
+        "pytest",
+        "tests/test_gpu.py",
+        [
+            PYTHON,
+            "-m",
+            "pytest",
+            "tests/test_gpu.py",
+            "-n",
+            "4",
+            "--dist",
+            "load",
+            "-v",
+            "--junitxml",
+            step.out / "pytest.xml",
+        ],
+    )
     outcomes = {}  # test: PASSED, FAILED, ERROR or SKIPPED, from -v's lines (with xdist or without)
     for line in launch.output.splitlines():
-        match = (re.search(r"\b(PASSED|FAILED|ERROR|SKIPPED)\b.*?(tests/test_gpu\.py::\S+)", line)
-                 or re.search(r"(tests/test_gpu\.py::\S+) (PASSED|FAILED|ERROR|SKIPPED)\b", line))
+        match = re.search(
+            r"\b(PASSED|FAILED|ERROR|SKIPPED)\b.*?(tests/test_gpu\.py::\S+)", line
+        ) or re.search(r"(tests/test_gpu\.py::\S+) (PASSED|FAILED|ERROR|SKIPPED)\b", line)
         if match:
             word, test = sorted(match.groups(), key=lambda group: group.startswith("tests/"))
             outcomes[test.split("::", 1)[1]] = word
-    counts = ", ".join(f"{list(outcomes.values()).count(word)} {word.lower()}"
-                       for word in ("PASSED", "FAILED", "ERROR", "SKIPPED")
-                       if word in outcomes.values())
+    counts = ", ".join(
+        f"{list(outcomes.values()).count(word)} {word.lower()}"
+        for word in ("PASSED", "FAILED", "ERROR", "SKIPPED")
+        if word in outcomes.values()
+    )
     if not step.failed(launch):
         step.row(launch.check, show(launch.argv, step.out), "ok", counts, launch.seconds)
     elif outcomes:  # its row is written: say which tests failed
@@ -287,8 +374,10 @@ QUICK = [  # (check, launcher and flags): the README's quick start, one process 
     ("train_fsdp.py, 1 rank", ["run_fsdp.sh"]),
     ("train_pippy.py, 1 rank, 1 stage", ["run_pippy.sh"]),
     # --no-eval: the script refuses the forward-only evaluation of two neighbouring stages on a rank
-    ("train_pippy.py, 1 rank, 2 stages (interleaved-1f1b)",
-     ["run_pippy.sh", "--schedule", "interleaved-1f1b", "--epochs", "1", "--no-eval"]),
+    (
+        "train_pippy.py, 1 rank, 2 stages (interleaved-1f1b)",
+        ["run_pippy.sh", "--schedule", "interleaved-1f1b", "--epochs", "1", "--no-eval"],
+    ),
     ("train_tp.py --tp 1", ["run_tp.sh", "--tp", "1"]),
 ]
 
@@ -314,17 +403,33 @@ def step_quick(step):
             learned = accuracy > 0.9
             figures = f"test accuracy {accuracy:.2%} after {m['steps']} steps (chance 10%)"
         peak = max(r["peak_memory_bytes"] for r in m["ranks"]) / 2**20
-        step.row(launch.check, show(launch.argv, step.out), "ok" if learned else "failed",
-                 f"{figures}; {rate(m['samples_per_second'])} whole run, {len(QUICK)} runs sharing "
-                 f"the GPU; peak memory {peak:,.0f} MiB", launch.seconds)
+        step.row(
+            launch.check,
+            show(launch.argv, step.out),
+            "ok" if learned else "failed",
+            f"{figures}; {rate(m['samples_per_second'])} whole run, {len(QUICK)} runs sharing "
+            f"the GPU; peak memory {peak:,.0f} MiB",
+            launch.seconds,
+        )
 
 
 def step_speed(step):
     """compare.py's figure 6 on one GPU: the bare loop, train_ddp.py eager and --compile."""
     for batch in (64, 512):
-        bare = step.run(f"speed-bare-{batch}", f"bare loop, batch {batch}",
-                        [PYTHON, "benchmarks/bare_loop.py", "--device", "cuda",
-                         "--steps", SPEED_STEPS, "--batch-size", batch])
+        bare = step.run(
+            f"speed-bare-{batch}",
+            f"bare loop, batch {batch}",
+            [
+                PYTHON,
+                "benchmarks/bare_loop.py",
+                "--device",
+                "cuda",
+                "--steps",
+                SPEED_STEPS,
+                "--batch-size",
+                batch,
+            ],
+        )
         bare_rate = eager = None  # without the bare loop's figure, train_ddp.py's still count
         if not step.failed(bare):
             bare_rate = json.loads(bare.output.strip().splitlines()[-1])["samples_per_second"]
@@ -332,9 +437,25 @@ def step_speed(step):
         for label in ("eager", "--compile"):
             name = f"speed-{label.strip('-')}-{batch}"
             metrics = step.out / "runs" / f"{name}.json"
-            argv = [PYTHON, "train_ddp.py", "--dataset", "synthetic", "--seed", "0", "--no-eval",
-                    "--metrics", metrics, "--device", "cuda", "--max-steps", SPEED_STEPS,
-                    "--epochs", "1000", "--batch-size", batch]  # as compare.py's Bench.train
+            argv = [
+                PYTHON,
+                "train_ddp.py",
+                "--dataset",
+                "synthetic",
+                "--seed",
+                "0",
+                "--no-eval",
+                "--metrics",
+                metrics,
+                "--device",
+                "cuda",
+                "--max-steps",
+                SPEED_STEPS,
+                "--epochs",
+                "1000",
+                "--batch-size",
+                batch,
+            ]  # as compare.py's Bench.train
             argv += ["--compile"] if label == "--compile" else []
             launch = step.run(name, f"train_ddp.py {label}, batch {batch}", argv)
             if step.failed(launch):
@@ -359,20 +480,39 @@ def step_gpt(step):
     if step.failed(helped):
         return
     if not (re.search(r"--model\b", helped.output) and re.search(r"\bgpt\b", helped.output)):
-        step.row(check, show(helped.argv, step.out),
-                 "not run: no transformer rung in this commit (issue 43)",
-                 "train_ddp.py --help has no --model gpt")
+        step.row(
+            check,
+            show(helped.argv, step.out),
+            "not run: no transformer rung in this commit (issue 43)",
+            "train_ddp.py --help has no --model gpt",
+        )
         return
     metrics = step.out / "runs" / "gpt.json"
     # Shortened: nanoGPT trains 5,000 iterations, minutes more than this check has.
-    argv = [PYTHON, "train_ddp.py", "--model", "gpt", "--device", "cuda", "--precision", "bf16",
-            "--max-steps", "300", "--metrics", metrics]
+    argv = [
+        PYTHON,
+        "train_ddp.py",
+        "--model",
+        "gpt",
+        "--device",
+        "cuda",
+        "--precision",
+        "bf16",
+        "--max-steps",
+        "300",
+        "--metrics",
+        metrics,
+    ]
     launch = step.run("gpt", f"{check}, shortened to 300 steps", argv)
     if not step.failed(launch):
         loss = metrics_of(metrics)["test_loss"]
-        step.row(launch.check, show(argv, step.out), "ok",
-                 f"validation loss {loss:.4f} after 300 steps ({NANOGPT_LOSS} after 5,000)",
-                 launch.seconds)
+        step.row(
+            launch.check,
+            show(argv, step.out),
+            "ok",
+            f"validation loss {loss:.4f} after 300 steps ({NANOGPT_LOSS} after 5,000)",
+            launch.seconds,
+        )
 
 
 def step_bf16(step):
@@ -380,8 +520,18 @@ def step_bf16(step):
     results = {}
     for precision in ("fp32", "bf16"):
         metrics = step.out / "runs" / f"precision-{precision}.json"
-        argv = [PYTHON, "train_ddp.py", "--device", "cuda", "--epochs", "1",
-                "--precision", precision, "--metrics", metrics]
+        argv = [
+            PYTHON,
+            "train_ddp.py",
+            "--device",
+            "cuda",
+            "--epochs",
+            "1",
+            "--precision",
+            precision,
+            "--metrics",
+            metrics,
+        ]
         check = f"train_ddp.py {precision}, batch 64, 1 epoch"
         launch = step.run(f"precision-{precision}", check, argv)
         if step.failed(launch):
@@ -389,29 +539,58 @@ def step_bf16(step):
         m = results[precision] = metrics_of(metrics)
         m["steady"] = steady_state(m)[1]
         mfu = f"; MFU {m['mfu']:.2%}" if m.get("mfu") else ""
-        step.row(check, show(argv, step.out), "ok",
-                 f"{rate(m['steady'])} steady; train loss {m['final_train_loss']:.4f}, test loss "
-                 f"{m['test_loss']:.4f}, test accuracy {m['test_accuracy']:.2%}{mfu}",
-                 launch.seconds)
+        step.row(
+            check,
+            show(argv, step.out),
+            "ok",
+            f"{rate(m['steady'])} steady; train loss {m['final_train_loss']:.4f}, test loss "
+            f"{m['test_loss']:.4f}, test accuracy {m['test_accuracy']:.2%}{mfu}",
+            launch.seconds,
+        )
     if len(results) == 2 and results["fp32"]["steady"] and results["bf16"]["steady"]:
         fp32, bf16 = results["fp32"], results["bf16"]
         difference = 100 * (bf16["test_accuracy"] - fp32["test_accuracy"])
-        step.row("bf16 against fp32", "", "ok", f"{bf16['steady'] / fp32['steady']:.2f} × fp32's "
-                 f"samples/s; test accuracy {difference:+.2f} points")
+        step.row(
+            "bf16 against fp32",
+            "",
+            "ok",
+            f"{bf16['steady'] / fp32['steady']:.2f} × fp32's "
+            f"samples/s; test accuracy {difference:+.2f} points",
+        )
 
 
 def step_resume(step):
     """SIGTERM mid-run through the launcher, the same command again: a whole run's weights?"""
+
     def command(name):
-        return ["bash", "run_ddp.sh", "--device", "cuda", "--epochs", "2", "--max-steps", "1100",
-                "--checkpoint-every", "100", "--checkpoint-dir", step.out / "runs" / f"{name}-ck",
-                "--save", step.out / "runs" / f"{name}.pt"]
+        return [
+            "bash",
+            "run_ddp.sh",
+            "--device",
+            "cuda",
+            "--epochs",
+            "2",
+            "--max-steps",
+            "1100",
+            "--checkpoint-every",
+            "100",
+            "--checkpoint-dir",
+            step.out / "runs" / f"{name}-ck",
+            "--save",
+            step.out / "runs" / f"{name}.pt",
+        ]
+
     one = {"NPROC_PER_NODE": "1"}
     # At once: two runs never stopped (does the GPU repeat itself bit for bit?) and the one to stop,
     # which its checkpoint of step 100 shows to be mid-run (1,100 steps cross an epoch's end).
-    runs = {name: step.start(f"resume-{name}", check, command(name), one) for name, check in (
-        ("never", "a run never stopped"), ("again", "the same, again"),
-        ("stopped", "SIGTERM mid-run, through the launcher"))}
+    runs = {
+        name: step.start(f"resume-{name}", check, command(name), one)
+        for name, check in (
+            ("never", "a run never stopped"),
+            ("again", "the same, again"),
+            ("stopped", "SIGTERM mid-run, through the launcher"),
+        )
+    }
     stopped, signalled = runs["stopped"], False
     while stopped.process and stopped.process.poll() is None and step.left() > 0:
         if (step.out / "runs" / "stopped-ck" / "step-100").exists():
@@ -428,15 +607,29 @@ def step_resume(step):
         step.failed(stopped)
         return
     if not step.dry and not (signalled and stopped.returncode == 143 and said):
-        step.row(stopped.check, show(stopped.argv, step.out), "failed",
-                 f"exit code {stopped.returncode} (143 expected), signalled: {signalled}; "
-                 f"{last_error(stopped.output)}", stopped.seconds)
+        step.row(
+            stopped.check,
+            show(stopped.argv, step.out),
+            "failed",
+            f"exit code {stopped.returncode} (143 expected), signalled: {signalled}; "
+            f"{last_error(stopped.output)}",
+            stopped.seconds,
+        )
         return
     at = said.group(1) if said else "N of M"
-    step.row(stopped.check, show(stopped.argv, step.out), "ok",
-             f"stopped at step {at}, exit code 143, checkpointed", stopped.seconds)
-    resumed = step.run("resume-resumed", "the same command again, against the run never stopped",
-                       command("stopped"), one)
+    step.row(
+        stopped.check,
+        show(stopped.argv, step.out),
+        "ok",
+        f"stopped at step {at}, exit code 143, checkpointed",
+        stopped.seconds,
+    )
+    resumed = step.run(
+        "resume-resumed",
+        "the same command again, against the run never stopped",
+        command("stopped"),
+        one,
+    )
     if step.failed(resumed, expect="resumed from"):
         return
     if step.dry:
@@ -450,10 +643,14 @@ def step_resume(step):
             return False, float("inf")
         differences = [(x[k].double() - y[k].double()).abs().max().item() for k in x]
         return all(torch.equal(x[k], y[k]) for k in x), max(differences)
+
     same, difference = apart("stopped", "never")
     repeats, noise = apart("again", "never")
-    repeat = "a repeat of the run never stopped is bitwise equal to it" if repeats else \
-        f"a repeat of the run never stopped differs too, by up to {noise:.1e}: the GPU varies"
+    repeat = (
+        "a repeat of the run never stopped is bitwise equal to it"
+        if repeats
+        else f"a repeat of the run never stopped differs too, by up to {noise:.1e}: the GPU varies"
+    )
     if same:
         status, figures = "ok", f"bitwise equal, resumed at step {at.split()[0]}; {repeat}"
     else:  # a GPU that does not repeat itself cannot show an exact resume
@@ -462,14 +659,27 @@ def step_resume(step):
     step.row(resumed.check, show(resumed.argv, step.out), status, figures, resumed.seconds)
 
 
-STEPS = {"env": step_env, "pytest": step_pytest, "quick": step_quick, "speed": step_speed,
-         "gpt": step_gpt, "bf16": step_bf16, "resume": step_resume}
-TITLES = {"pytest": "1. tests/test_gpu.py", "quick": "2. quick start, one GPU",
-          "speed": "3. speed against the bare loop", "gpt": "4. transformer rung",
-          "bf16": "5. bf16 against fp32", "resume": "6. kill and exact resume"}
+STEPS = {
+    "env": step_env,
+    "pytest": step_pytest,
+    "quick": step_quick,
+    "speed": step_speed,
+    "gpt": step_gpt,
+    "bf16": step_bf16,
+    "resume": step_resume,
+}
+TITLES = {
+    "pytest": "1. tests/test_gpu.py",
+    "quick": "2. quick start, one GPU",
+    "speed": "3. speed against the bare loop",
+    "gpt": "4. transformer rung",
+    "bf16": "5. bf16 against fp32",
+    "resume": "6. kill and exact resume",
+}
 
 
 # ---- a dry run's proof: every command parses ----
+
 
 class _Parsed(Exception):
     pass
@@ -478,6 +688,7 @@ class _Parsed(Exception):
 def parser_of(script):
     """The argparse parser ``script`` builds, taken at its parse_args call (the script stops there),
     as tests/test_docs.py takes it: one process for all the scripts, not one each."""
+
     def capture(self, args=None, namespace=None):
         raise _Parsed(self)
 
@@ -543,8 +754,10 @@ def verify(out):
             continue
         for command in json.loads(path.read_text())["commands"]:
             checked += 1
-            problems += [f"{show(command['argv'], out)}: {problem}"
-                         for problem in problems_with(command["argv"], parsers)]
+            problems += [
+                f"{show(command['argv'], out)}: {problem}"
+                for problem in problems_with(command["argv"], parsers)
+            ]
     result = {"checked": checked, "problems": problems}
     (out / "verify.json").write_text(json.dumps(result, indent=2) + "\n")
     for problem in problems:
@@ -554,6 +767,7 @@ def verify(out):
 
 
 # ---- the table ----
+
 
 def summary(out, dry):
     machine = out / "machine.json"
@@ -572,16 +786,43 @@ def summary(out, dry):
         code, budget, seconds = ran.get(name, ("none", 0, 0))
         timed_out = code in ("124", "137")
         if timed_out and not any(row["status"] == "timed out" for row in record["rows"]):
-            rows.append({"step": title, "check": "the step", "command": "", "status": "timed out",
-                         "figures": f"its {budget} s ran out", "seconds": seconds})
+            rows.append(
+                {
+                    "step": title,
+                    "check": "the step",
+                    "command": "",
+                    "status": "timed out",
+                    "figures": f"its {budget} s ran out",
+                    "seconds": seconds,
+                }
+            )
         elif not timed_out and (code != "0" or not record["rows"]):
-            why = ("the check's 9 minutes were spent" if code == "skipped" else
-                   f"the step ended with exit code {code} (see {name}.json, logs/)")
-            rows.append({"step": title, "check": "the step", "command": "", "status": "failed",
-                         "figures": why, "seconds": seconds})
-    rows += [{"step": f"needs {needs}", "check": what, "command": "",
-              "status": f"not run: needs {needs}", "figures": why, "seconds": None}
-             for what, needs, why in NEEDS_TWO]
+            why = (
+                "the check's 9 minutes were spent"
+                if code == "skipped"
+                else f"the step ended with exit code {code} (see {name}.json, logs/)"
+            )
+            rows.append(
+                {
+                    "step": title,
+                    "check": "the step",
+                    "command": "",
+                    "status": "failed",
+                    "figures": why,
+                    "seconds": seconds,
+                }
+            )
+    rows += [
+        {
+            "step": f"needs {needs}",
+            "check": what,
+            "command": "",
+            "status": f"not run: needs {needs}",
+            "figures": why,
+            "seconds": None,
+        }
+        for what, needs, why in NEEDS_TWO
+    ]
     verified = out / "verify.json"
     verified = json.loads(verified.read_text()) if dry and verified.exists() else None
     lines = ["# GPU check", ""]
@@ -594,11 +835,16 @@ def summary(out, dry):
     gpus = ""
     if env.get("gpus", 0) > 1:
         gpus = f" ({env['gpus']} visible: tests/test_gpu.py uses 2, every other step one)"
-    lines += [f"- date: {env.get('date', 'unknown')}", f"- commit: {env.get('commit', 'unknown')}",
-              f"- torch {env.get('torch')}, CUDA {env.get('cuda')}, Python {env.get('python')}",
-              f"- GPU: {env.get('gpu', 'unknown')}{gpus}",
-              f"- {sum(s for _, _, s in ran.values())} s of steps (at most 9 minutes)", "",
-              "| step | check | result | figures | seconds |", "| --- | --- | --- | --- | --- |"]
+    lines += [
+        f"- date: {env.get('date', 'unknown')}",
+        f"- commit: {env.get('commit', 'unknown')}",
+        f"- torch {env.get('torch')}, CUDA {env.get('cuda')}, Python {env.get('python')}",
+        f"- GPU: {env.get('gpu', 'unknown')}{gpus}",
+        f"- {sum(s for _, _, s in ran.values())} s of steps (at most 9 minutes)",
+        "",
+        "| step | check | result | figures | seconds |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for row in rows:
         ok = row["status"] == "ok"
         status = "dry run: parses" if dry and ok else row["status"]

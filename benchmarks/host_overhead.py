@@ -33,14 +33,43 @@ args = parser.parse_args()
 
 
 def bare(*flags):
-    command = [sys.executable, "benchmarks/bare_loop.py", "--device", args.device, "--steps", args.steps,
-               "--batch-size", 1, "--warmup", 100, *flags]
+    command = [
+        sys.executable,
+        "benchmarks/bare_loop.py",
+        "--device",
+        args.device,
+        "--steps",
+        args.steps,
+        "--batch-size",
+        1,
+        "--warmup",
+        100,
+        *flags,
+    ]
     return json.loads(launch(command, timeout=600)[0].splitlines()[-1])["microseconds_per_step"]
 
 
 def script(metrics):
-    launch([sys.executable, "train_ddp.py", "--device", args.device, "--dataset", "synthetic", "--batch-size", 1,
-            "--max-steps", args.steps, "--epochs", 10**6, "--no-eval", "--metrics", metrics], timeout=600)
+    launch(
+        [
+            sys.executable,
+            "train_ddp.py",
+            "--device",
+            args.device,
+            "--dataset",
+            "synthetic",
+            "--batch-size",
+            1,
+            "--max-steps",
+            args.steps,
+            "--epochs",
+            10**6,
+            "--no-eval",
+            "--metrics",
+            metrics,
+        ],
+        timeout=600,
+    )
     return 1e6 / steady_state(json.loads(Path(metrics).read_text()))[1]
 
 
@@ -54,29 +83,53 @@ rounds = []
 metrics = args.out / ".host_overhead_metrics.json"
 try:
     for _ in range(args.repeats):
-        rounds.append({
-            "bare_loop": bare(), "bare_loop_ddp": bare("--ddp"), "train_ddp": script(metrics),
-            "import_torch_seconds": wall([sys.executable, "-c", "import torch"]),
-            "first_step_seconds": wall([sys.executable, "train_ddp.py", "--device", args.device, "--max-steps", 1,
-                                        "--no-eval"]),
-        })
+        rounds.append(
+            {
+                "bare_loop": bare(),
+                "bare_loop_ddp": bare("--ddp"),
+                "train_ddp": script(metrics),
+                "import_torch_seconds": wall([sys.executable, "-c", "import torch"]),
+                "first_step_seconds": wall(
+                    [
+                        sys.executable,
+                        "train_ddp.py",
+                        "--device",
+                        args.device,
+                        "--max-steps",
+                        1,
+                        "--no-eval",
+                    ]
+                ),
+            }
+        )
 finally:
     metrics.unlink(missing_ok=True)
-results = {"machine": machine(), "device": args.device, "steps": args.steps, "batch_size": 1, "rounds": rounds,
-           **{key: statistics.median(r[key] for r in rounds) for key in rounds[0]}}
+results = {
+    "machine": machine(),
+    "device": args.device,
+    "steps": args.steps,
+    "batch_size": 1,
+    "rounds": rounds,
+    **{key: statistics.median(r[key] for r in rounds) for key in rounds[0]},
+}
 results["ddp_cost"] = results["bare_loop_ddp"] - results["bare_loop"]
 results["script_cost"] = results["train_ddp"] - results["bare_loop"]
 m = results["machine"]
-table = "\n".join([
-    f"Machine: {m['cpu']}, {m['cores']} cores, {m['gpus']} GPUs, torch {m['torch']}; device {args.device}, batch 1, "
-    f"{args.steps} steps per run, medians of {args.repeats} rounds.", "",
-    "| run | µs per step | over the bare loop |", "| --- | --- | --- |",
-    f"| bare loop | {results['bare_loop']:,.0f} | |",
-    f"| bare loop in DDP, one process | {results['bare_loop_ddp']:,.0f} | {results['ddp_cost']:+,.0f} µs |",
-    f"| train_ddp.py, one process | {results['train_ddp']:,.0f} | {results['script_cost']:+,.0f} µs |", "",
-    f"Start-up: `import torch` {results['import_torch_seconds']:.2f} s; train_ddp.py, a 1-step run on MNIST, "
-    f"{results['first_step_seconds']:.2f} s from start to exit.",
-])
+table = "\n".join(
+    [
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['gpus']} GPUs, torch {m['torch']}; device {args.device}, batch 1, "
+        f"{args.steps} steps per run, medians of {args.repeats} rounds.",
+        "",
+        "| run | µs per step | over the bare loop |",
+        "| --- | --- | --- |",
+        f"| bare loop | {results['bare_loop']:,.0f} | |",
+        f"| bare loop in DDP, one process | {results['bare_loop_ddp']:,.0f} | {results['ddp_cost']:+,.0f} µs |",
+        f"| train_ddp.py, one process | {results['train_ddp']:,.0f} | {results['script_cost']:+,.0f} µs |",
+        "",
+        f"Start-up: `import torch` {results['import_torch_seconds']:.2f} s; train_ddp.py, a 1-step run on MNIST, "
+        f"{results['first_step_seconds']:.2f} s from start to exit.",
+    ]
+)
 args.out.mkdir(parents=True, exist_ok=True)
 name = "host_overhead" if args.device == "cpu" else f"host_overhead_{args.device}"
 (args.out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -75,12 +75,35 @@ def main():
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         added = {}
         for way in ("broadcast from rank 0", "every rank reads the file"):
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            f"--nproc-per-node={args.ranks}", __file__, "--worker", str(path), str(args.width),
-                            str(out), way], env=env, check=True, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={args.ranks}",
+                    __file__,
+                    "--worker",
+                    str(path),
+                    str(args.width),
+                    str(out),
+                    way,
+                ],
+                env=env,
+                check=True,
+                capture_output=True,
+            )
             added[way] = json.loads(out.read_text())
-        print(json.dumps({"width": args.width, "file_bytes": path.stat().st_size, "ranks": args.ranks,
-                          "resident_bytes_added": added}))
+        print(
+            json.dumps(
+                {
+                    "width": args.width,
+                    "file_bytes": path.stat().st_size,
+                    "ranks": args.ranks,
+                    "resident_bytes_added": added,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

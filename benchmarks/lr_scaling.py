@@ -49,37 +49,74 @@ EPOCH_LINE = re.compile(r"epoch (\d+): step (\d+), .*test accuracy ([\d.]+)%")
 
 def start(name, batch, flags, epochs, scratch):
     metrics = scratch / f"{name}.json"
-    command = [sys.executable, str(ROOT / "train_ddp.py"), "--dataset", "synthetic", "--seed", "0", "--optimizer", "sgd",
-               "--lr", str(BASE_LR), "--base-batch-size", "64", "--batch-size", str(batch), "--epochs", str(epochs),
-               "--log-every", str(SAMPLES_PER_LOG // batch), "--metrics", str(metrics), "--lr-schedule", "constant",
-               "--warmup-steps", "0", *flags]  # the rule as Goyal et al. state it: a constant lr, warmup where said
+    command = [
+        sys.executable,
+        str(ROOT / "train_ddp.py"),
+        "--dataset",
+        "synthetic",
+        "--seed",
+        "0",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        str(BASE_LR),
+        "--base-batch-size",
+        "64",
+        "--batch-size",
+        str(batch),
+        "--epochs",
+        str(epochs),
+        "--log-every",
+        str(SAMPLES_PER_LOG // batch),
+        "--metrics",
+        str(metrics),
+        "--lr-schedule",
+        "constant",
+        "--warmup-steps",
+        "0",
+        *flags,
+    ]  # the rule as Goyal et al. state it: a constant lr, warmup where said
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("RANK", None)
     print(f"start {name}: {' '.join(command[1:])}", flush=True)
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     return process, metrics
 
 
 def finish(name, batch, process, metrics):
     output, _ = process.communicate()
-    epochs = [{"epoch": int(e), "step": int(s), "test_accuracy": float(a) / 100} for e, s, a in EPOCH_LINE.findall(output)]
+    epochs = [
+        {"epoch": int(e), "step": int(s), "test_accuracy": float(a) / 100}
+        for e, s, a in EPOCH_LINE.findall(output)
+    ]
     error = next((line for line in output.splitlines() if line.startswith("error:")), None)
     if process.returncode != 0 and not (error and "diverged" in error):
         sys.exit(f"lr_scaling: {name} failed (exit code {process.returncode}):\n{output[-3000:]}")
     result = {"global_batch_size": batch, "epochs": epochs, "error": error}
     if metrics.exists():  # not written by a run that stopped on a non-finite loss
         m = json.loads(metrics.read_text())
-        result.update(lr=m["peak_lr"], steps=m["steps"], samples_per_second=m["samples_per_second"],
-                      loss_curve=[[step * batch, loss] for step, loss, _ in m["loss_curve"]])
-    print(f"done {name}: " + (", ".join(f"epoch {e['epoch']} {e['test_accuracy']:.2%}" for e in epochs) or error),
-          flush=True)
+        result.update(
+            lr=m["peak_lr"],
+            steps=m["steps"],
+            samples_per_second=m["samples_per_second"],
+            loss_curve=[[step * batch, loss] for step, loss, _ in m["loss_curve"]],
+        )
+    print(
+        f"done {name}: "
+        + (", ".join(f"epoch {e['epoch']} {e['test_accuracy']:.2%}" for e in epochs) or error),
+        flush=True,
+    )
     return result
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each is one process, one thread)")
+    parser.add_argument(
+        "--jobs", type=int, default=2, help="runs at a time (each is one process, one thread)"
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     out, scratch = Path(args.out), Path(tempfile.mkdtemp(prefix="lr-scaling-"))
@@ -91,8 +128,14 @@ def main():
             running.append((name, *start(name, *RUNS[name], args.epochs, scratch)))
         name, process, metrics = running.pop(0)
         results[name] = finish(name, RUNS[name][0], process, metrics)
-    report = {"machine": machine(), "epochs": args.epochs, "base_lr": BASE_LR, "warmup_steps": WARMUP_STEPS,
-              "optimizer": "sgd, momentum 0.9, weight decay 5e-4", "runs": {n: results[n] for n in RUNS}}
+    report = {
+        "machine": machine(),
+        "epochs": args.epochs,
+        "base_lr": BASE_LR,
+        "warmup_steps": WARMUP_STEPS,
+        "optimizer": "sgd, momentum 0.9, weight decay 5e-4",
+        "runs": {n: results[n] for n in RUNS},
+    }
     (out / "lr_scaling.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out / "lr_scaling.png")
     print(markdown(report))
@@ -103,9 +146,12 @@ def markdown(report):
     """The table: test accuracy after each epoch; samples seen until the logged training loss first fell
     below 0.1; the mean of the logged losses over the last epoch."""
     epochs = report["epochs"]
-    lines = ["| run | global batch | lr | warmup | " + " | ".join(f"epoch {e}" for e in range(1, epochs + 1))
-             + " | loss below 0.1 after | loss over the last epoch |",
-             "| --- | --- | --- | --- |" + " --- |" * (epochs + 2)]
+    lines = [
+        "| run | global batch | lr | warmup | "
+        + " | ".join(f"epoch {e}" for e in range(1, epochs + 1))
+        + " | loss below 0.1 after | loss over the last epoch |",
+        "| --- | --- | --- | --- |" + " --- |" * (epochs + 2),
+    ]
     for name, r in report["runs"].items():
         warmup = f"{report['warmup_steps']} steps" if name == "warmup" else "none"
         lr = f"{r['lr']:g}" if "lr" in r else "?"
@@ -115,8 +161,15 @@ def markdown(report):
         below = next((samples for samples, loss in curve if loss < 0.1), None)
         start = r["epochs"][-2]["step"] * r["global_batch_size"] if len(r["epochs"]) > 1 else 0
         last = [loss for samples, loss in curve if samples > start]
-        tail = f"{below:,} samples" if below else "never", f"{sum(last) / len(last):.1e}" if last else ""
-        lines.append(f"| {name} | {r['global_batch_size']} | {lr} | {warmup} | " + " | ".join([*accuracy, *tail]) + " |")
+        tail = (
+            f"{below:,} samples" if below else "never",
+            f"{sum(last) / len(last):.1e}" if last else "",
+        )
+        lines.append(
+            f"| {name} | {r['global_batch_size']} | {lr} | {warmup} | "
+            + " | ".join([*accuracy, *tail])
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -138,13 +191,29 @@ def plot(report, path):
         else:
             loss.plot([], [], label=label)  # keeps the colours of the two panels in step
         if r["epochs"]:
-            error.plot([e["epoch"] for e in r["epochs"]],
-                       [max(100 * (1 - e["test_accuracy"]), floor) for e in r["epochs"]], marker="o")
-    loss.set(title="training loss (mean over 2,560 samples)", xlabel="samples seen", ylabel="loss", yscale="log")
+            error.plot(
+                [e["epoch"] for e in r["epochs"]],
+                [max(100 * (1 - e["test_accuracy"]), floor) for e in r["epochs"]],
+                marker="o",
+            )
+    loss.set(
+        title="training loss (mean over 2,560 samples)",
+        xlabel="samples seen",
+        ylabel="loss",
+        yscale="log",
+    )
     error.axhline(floor, color="grey", linewidth=0.8, linestyle=":")
-    error.text(1.05, floor * 1.15, "no test error", ha="left", va="bottom", fontsize=8, color="grey")
-    error.set(title="test error (100% - accuracy) after each epoch", xlabel="epoch", ylabel="% of test images",
-              yscale="log", xticks=range(1, report["epochs"] + 1), ylim=(floor / 1.6, 150))
+    error.text(
+        1.05, floor * 1.15, "no test error", ha="left", va="bottom", fontsize=8, color="grey"
+    )
+    error.set(
+        title="test error (100% - accuracy) after each epoch",
+        xlabel="epoch",
+        ylabel="% of test images",
+        yscale="log",
+        xticks=range(1, report["epochs"] + 1),
+        ylim=(floor / 1.6, 150),
+    )
     error.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     handles, labels = loss.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=2, frameon=False)

@@ -21,12 +21,21 @@ args = parser.parse_args()
 with open(args.log_dir / "metrics.csv", newline="") as file:
     rows = list(csv.DictReader(file))
 train = [(int(r["step"]), float(r["train_loss"]), float(r["lr"])) for r in rows if r["train_loss"]]
-test = [(int(r["step"]), float(r["test_loss"]), float(r["test_accuracy"])) for r in rows if r["test_loss"]]
+test = [
+    (int(r["step"]), float(r["test_loss"]), float(r["test_accuracy"]))
+    for r in rows
+    if r["test_loss"]
+]
 
 figure, (loss_axes, lr_axes) = plt.subplots(2, 1, figsize=(7, 5), sharex=True, height_ratios=[3, 1])
 loss_axes.plot([s for s, _, _ in train], [v for _, v, _ in train], label="train loss (all ranks)")
 accuracies = ", ".join(f"{accuracy:.2%}" for _, _, accuracy in test)
-loss_axes.plot([s for s, _, _ in test], [v for _, v, _ in test], "o-", label=f"test loss (accuracy {accuracies})")
+loss_axes.plot(
+    [s for s, _, _ in test],
+    [v for _, v, _ in test],
+    "o-",
+    label=f"test loss (accuracy {accuracies})",
+)
 loss_axes.set_yscale("log")
 loss_axes.set_ylabel("cross-entropy")
 loss_axes.legend(loc="upper right")

@@ -33,7 +33,13 @@ MEMORY = [  # (label, script, ranks, flags, shard group size: how many ranks sha
     ("DDP", "train_ddp.py", 1, [], 1),
     ("full", "train_fsdp.py", 2, ["--sharding", "full"], 2),
     ("grad-op", "train_fsdp.py", 2, ["--sharding", "grad-op"], 2),
-    ("full + activation checkpointing", "train_fsdp.py", 2, ["--sharding", "full", "--activation-checkpointing"], 2),
+    (
+        "full + activation checkpointing",
+        "train_fsdp.py",
+        2,
+        ["--sharding", "full", "--activation-checkpointing"],
+        2,
+    ),
     ("hybrid, 2 groups x 2 shards", "train_fsdp.py", 4, HYBRID, 2),
     ("full", "train_fsdp.py", 4, ["--sharding", "full"], 4),
 ]
@@ -41,32 +47,60 @@ SPEED = [  # (label, script, flags), all on 2 ranks
     ("DDP", "train_ddp.py", []),
     ("full", "train_fsdp.py", ["--sharding", "full"]),
     ("grad-op", "train_fsdp.py", ["--sharding", "grad-op"]),
-    ("full + activation checkpointing", "train_fsdp.py", ["--sharding", "full", "--activation-checkpointing"]),
+    (
+        "full + activation checkpointing",
+        "train_fsdp.py",
+        ["--sharding", "full", "--activation-checkpointing"],
+    ),
 ]
 
 
 def torchrun(ranks):
-    return ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
+    return (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+        if ranks > 1
+        else []
+    )
 
 
 def script(name, ranks, flags, metrics, timeout):
     """Run a training script; return its metrics."""
     print(f"{name} on {ranks} process(es) {' '.join(flags)}", flush=True)
-    launch([sys.executable, *torchrun(ranks), ROOT / name, "--dataset", "synthetic", "--seed", "0", "--no-eval",
-            "--device", "cpu", "--metrics", metrics, *flags], timeout)
+    launch(
+        [
+            sys.executable,
+            *torchrun(ranks),
+            ROOT / name,
+            "--dataset",
+            "synthetic",
+            "--seed",
+            "0",
+            "--no-eval",
+            "--device",
+            "cpu",
+            "--metrics",
+            metrics,
+            *flags,
+        ],
+        timeout,
+    )
     return json.loads(Path(metrics).read_text())
 
 
 def tensors(ranks, flags, timeout):
     """benchmarks/fsdp_memory.py under torchrun; its JSON line."""
     print(f"benchmarks/fsdp_memory.py on {ranks} processes {' '.join(flags)}", flush=True)
-    (output,) = launch([sys.executable, *torchrun(ranks), ROOT / "benchmarks" / "fsdp_memory.py", *flags], timeout)
+    (output,) = launch(
+        [sys.executable, *torchrun(ranks), ROOT / "benchmarks" / "fsdp_memory.py", *flags], timeout
+    )
     return json.loads(output.strip().splitlines()[-1])
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the speed runs")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds of the speed runs"
+    )
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per speed run")
     parser.add_argument("--timeout", type=int, default=900, help="seconds one run may take")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -76,36 +110,77 @@ def main():
 
     width, batch = 32, 8
     for label, name, ranks, flags, group in MEMORY:
-        metrics = script(name, ranks, ["--width", str(width), "--batch-size", str(batch), "--max-steps", "2",
-                                       "--optimizer", "adamw", *flags], scratch / "m.json", args.timeout)
-        row = {"layout": label, "script": name, "ranks": ranks, "param_count": metrics["param_count"],
-               "state_bytes": max(r["state_bytes"] for r in metrics["ranks"]),
-               "expected_state_bytes": 16 * metrics["param_count"] / group,
-               "peak_rss_bytes": max(r["peak_memory_bytes"] for r in metrics["ranks"])}
+        metrics = script(
+            name,
+            ranks,
+            [
+                "--width",
+                str(width),
+                "--batch-size",
+                str(batch),
+                "--max-steps",
+                "2",
+                "--optimizer",
+                "adamw",
+                *flags,
+            ],
+            scratch / "m.json",
+            args.timeout,
+        )
+        row = {
+            "layout": label,
+            "script": name,
+            "ranks": ranks,
+            "param_count": metrics["param_count"],
+            "state_bytes": max(r["state_bytes"] for r in metrics["ranks"]),
+            "expected_state_bytes": 16 * metrics["param_count"] / group,
+            "peak_rss_bytes": max(r["peak_memory_bytes"] for r in metrics["ranks"]),
+        }
         if name == "train_fsdp.py":
-            counted = tensors(ranks, ["--width", str(width), "--batch-size", str(batch), *flags], args.timeout)
-            row.update(peak_tensor_bytes=counted["peak"]["total"],
-                       unsharded_param_bytes_at_peak=counted["peak"]["unsharded_param"])
+            counted = tensors(
+                ranks, ["--width", str(width), "--batch-size", str(batch), *flags], args.timeout
+            )
+            row.update(
+                peak_tensor_bytes=counted["peak"]["total"],
+                unsharded_param_bytes_at_peak=counted["peak"]["unsharded_param"],
+            )
         results["memory"].append(row)
 
     for flags in ([], ["--activation-checkpointing"]):
         counted = tensors(2, ["--width", "1", "--batch-size", "64", *flags], args.timeout)
-        results["activations"].append({"activation_checkpointing": bool(flags),
-                                       "kept_for_backward_bytes": counted["after_forward"]["act"],
-                                       "peak_tensor_bytes": counted["peak"]["total"],
-                                       "peak_activation_and_temporary_bytes": counted["peak"]["act"] + counted["peak"]["temp"]})
+        results["activations"].append(
+            {
+                "activation_checkpointing": bool(flags),
+                "kept_for_backward_bytes": counted["after_forward"]["act"],
+                "peak_tensor_bytes": counted["peak"]["total"],
+                "peak_activation_and_temporary_bytes": counted["peak"]["act"]
+                + counted["peak"]["temp"],
+            }
+        )
 
     runs = {label: [] for label, *_ in SPEED}
     for round_ in range(args.rounds):
         for label, name, flags in SPEED:
-            metrics = script(name, 2, ["--batch-size", "64", "--max-steps", str(args.steps), "--epochs", "1000", *flags],
-                             scratch / "s.json", args.timeout)
+            metrics = script(
+                name,
+                2,
+                ["--batch-size", "64", "--max-steps", str(args.steps), "--epochs", "1000", *flags],
+                scratch / "s.json",
+                args.timeout,
+            )
             runs[label].append(metrics["samples_per_second"])
     for label, speeds in runs.items():
         ratios = [s / d for s, d in zip(speeds, runs["DDP"])]
-        results["speed"].append({"layout": label, "samples_per_second": statistics.median(speeds),
-                                 "all_rounds": speeds, "vs_ddp": statistics.median(ratios),
-                                 "vs_ddp_min": min(ratios), "vs_ddp_max": max(ratios)})
+        results["speed"].append(
+            {
+                "layout": label,
+                "samples_per_second": statistics.median(speeds),
+                "all_rounds": speeds,
+                "vs_ddp": statistics.median(ratios),
+                "vs_ddp_min": min(ratios),
+                "vs_ddp_max": max(ratios),
+            }
+        )
     results["rounds"], results["steps"] = args.rounds, args.steps
 
     out = Path(args.out)
@@ -120,24 +195,40 @@ def mib(value):
 
 
 def markdown(r):
-    lines = ["| layout | ranks | `state_bytes`, largest rank | 16·P / shard group | peak tensor bytes, largest rank "
-             "| unsharded weights at that peak | peak resident memory |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| layout | ranks | `state_bytes`, largest rank | 16·P / shard group | peak tensor bytes, largest rank "
+        "| unsharded weights at that peak | peak resident memory |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for row in r["memory"]:
         counted = row.get("peak_tensor_bytes")
-        lines.append(f"| {row['layout']} | {row['ranks']} | {mib(row['state_bytes'])} | {mib(row['expected_state_bytes'])} "
-                     f"| {mib(counted) if counted else ''} "
-                     f"| {mib(row['unsharded_param_bytes_at_peak']) if counted else ''} | {mib(row['peak_rss_bytes'])} |")
-    lines += ["", "| width 1, batch 64, full, 2 ranks | activations left by forward | peak activations + temporaries "
-              "| peak tensor bytes |", "| --- | --- | --- | --- |"]
+        lines.append(
+            f"| {row['layout']} | {row['ranks']} | {mib(row['state_bytes'])} | {mib(row['expected_state_bytes'])} "
+            f"| {mib(counted) if counted else ''} "
+            f"| {mib(row['unsharded_param_bytes_at_peak']) if counted else ''} | {mib(row['peak_rss_bytes'])} |"
+        )
+    lines += [
+        "",
+        "| width 1, batch 64, full, 2 ranks | activations left by forward | peak activations + temporaries "
+        "| peak tensor bytes |",
+        "| --- | --- | --- | --- |",
+    ]
     for row in r["activations"]:
         label = "with --activation-checkpointing" if row["activation_checkpointing"] else "without"
-        lines.append(f"| {label} | {mib(row['kept_for_backward_bytes'])} | {mib(row['peak_activation_and_temporary_bytes'])} "
-                     f"| {mib(row['peak_tensor_bytes'])} |")
+        lines.append(
+            f"| {label} | {mib(row['kept_for_backward_bytes'])} | {mib(row['peak_activation_and_temporary_bytes'])} "
+            f"| {mib(row['peak_tensor_bytes'])} |"
+        )
     spread = r["rounds"] > 1
-    lines += ["", f"| 2 ranks, width 1, batch 64 | samples/s (median of {r['rounds']}) | vs DDP |", "| --- | --- | --- |"]
+    lines += [
+        "",
+        f"| 2 ranks, width 1, batch 64 | samples/s (median of {r['rounds']}) | vs DDP |",
+        "| --- | --- | --- |",
+    ]
     for row in r["speed"]:
-        ratio = f"{row['vs_ddp']:.2f}" + (f" ({row['vs_ddp_min']:.2f}–{row['vs_ddp_max']:.2f})" if spread else "")
+        ratio = f"{row['vs_ddp']:.2f}" + (
+            f" ({row['vs_ddp_min']:.2f}–{row['vs_ddp_max']:.2f})" if spread else ""
+        )
         lines.append(f"| {row['layout']} | {row['samples_per_second']:,.0f} | {ratio} |")
     return "\n".join(lines) + "\n"
 

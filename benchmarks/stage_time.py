@@ -30,7 +30,9 @@ x = torch.randn(args.microbatch, 1, 28, 28)
 seconds = []
 for blocks in balanced_stages(block_flops(model, x[:1]), args.stages):
     stage = nn.Sequential(*(model.blocks[b] for b in blocks))
-    inputs = x.clone().requires_grad_(blocks[0] > 0)  # later stages also compute the input's gradient
+    inputs = x.clone().requires_grad_(
+        blocks[0] > 0
+    )  # later stages also compute the input's gradient
     for repeat in range(args.repeats + 5):
         if repeat == 5:  # after a warm-up
             start = time.perf_counter()
@@ -38,8 +40,9 @@ for blocks in balanced_stages(block_flops(model, x[:1]), args.stages):
         output.backward(torch.ones_like(output))
     seconds.append((time.perf_counter() - start) / args.repeats)
     x = stage(x).detach()  # the next stage's input
-result = json.dumps({"stages": args.stages, "microbatch": args.microbatch,
-                     "seconds_per_microbatch": seconds})
+result = json.dumps(
+    {"stages": args.stages, "microbatch": args.microbatch, "seconds_per_microbatch": seconds}
+)
 print(result)
 if args.metrics:
     Path(args.metrics).write_text(result + "\n")

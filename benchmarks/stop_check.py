@@ -37,13 +37,33 @@ def train(seconds, script_args):  # in a worker: the script, with the agreement'
 def run(seconds, steps, ranks, directory):
     """samples/s of one run's steady state."""
     metrics = Path(directory) / f"{seconds}.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               __file__, "--worker", str(seconds), "--dataset", "synthetic", "--max-steps", str(steps),
-               "--epochs", "100", "--log-every", "200", "--no-eval", "--metrics", metrics]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        __file__,
+        "--worker",
+        str(seconds),
+        "--dataset",
+        "synthetic",
+        "--max-steps",
+        str(steps),
+        "--epochs",
+        "100",
+        "--log-every",
+        "200",
+        "--no-eval",
+        "--metrics",
+        metrics,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     process = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if process.returncode:
-        sys.exit(f"stop_check.py: a run failed with exit code {process.returncode}:\n{process.stderr[-2000:]}")
+        sys.exit(
+            f"stop_check.py: a run failed with exit code {process.returncode}:\n{process.stderr[-2000:]}"
+        )
     return steady_state(json.loads(metrics.read_text()))[1]
 
 
@@ -62,10 +82,19 @@ def main():
                 rates[mode].append(run(seconds, args.steps, args.ranks, directory))
     medians = {mode: statistics.median(values) for mode, values in rates.items()}
     base = medians["logging steps only"]
-    print(json.dumps({"ranks": args.ranks, "steps": args.steps, "rounds": args.rounds,
-                      "samples_per_second": rates, "median": medians,
-                      "every_second_over_logging_only": medians["every second"] / base,
-                      "every_step_over_logging_only": medians["every step"] / base}))
+    print(
+        json.dumps(
+            {
+                "ranks": args.ranks,
+                "steps": args.steps,
+                "rounds": args.rounds,
+                "samples_per_second": rates,
+                "median": medians,
+                "every_second_over_logging_only": medians["every second"] / base,
+                "every_step_over_logging_only": medians["every step"] / base,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -38,16 +38,34 @@ args = parser.parse_args()
 def run(watched, directory):
     """samples/s of one run's steady state; ``watched``: in a pseudo-terminal (the bar drawn) with --log-dir."""
     metrics = Path(directory) / f"{'watched' if watched else 'plain'}.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-               "train_ddp.py", "--dataset", "synthetic", "--max-steps", str(args.steps), "--epochs", "100",
-               "--no-eval", "--metrics", metrics]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.ranks}",
+        "train_ddp.py",
+        "--dataset",
+        "synthetic",
+        "--max-steps",
+        str(args.steps),
+        "--epochs",
+        "100",
+        "--no-eval",
+        "--metrics",
+        metrics,
+    ]
     command += ["--log-dir", Path(directory) / "log"] if watched else []
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     if watched:  # a terminal's: rank 0 draws the bar; read and dropped as a terminal would show it
         master, replica = pty.openpty()
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdin=replica, stdout=replica, stderr=replica)
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdin=replica, stdout=replica, stderr=replica
+        )
         os.close(replica)
-        drain = threading.Thread(target=lambda: [None for _ in iter(lambda: _read(master), b"")], daemon=True)
+        drain = threading.Thread(
+            target=lambda: [None for _ in iter(lambda: _read(master), b"")], daemon=True
+        )
         drain.start()
         process.wait()
         drain.join(10)
@@ -55,7 +73,9 @@ def run(watched, directory):
     else:
         process = subprocess.run(command, cwd=ROOT, env=env, capture_output=True)
     if process.returncode:
-        sys.exit(f"watch_overhead.py: {' '.join(map(str, command))} failed with exit code {process.returncode}")
+        sys.exit(
+            f"watch_overhead.py: {' '.join(map(str, command))} failed with exit code {process.returncode}"
+        )
     return steady_state(json.loads(metrics.read_text()))[1]
 
 
@@ -71,14 +91,27 @@ def host_cost(watched, steps=20_000, log_every=20):
     each logging step (watched), or neither; measured in this process, no training."""
     sys.path.insert(0, str(ROOT))
     from plumbing import core
+
     master, replica = pty.openpty()
-    drain = threading.Thread(target=lambda: [None for _ in iter(lambda: _read(master), b"")], daemon=True)
+    drain = threading.Thread(
+        target=lambda: [None for _ in iter(lambda: _read(master), b"")], daemon=True
+    )
     drain.start()
-    stdout, sys.stdout = sys.stdout, (open(os.ttyname(replica), "w") if watched else open(os.devnull, "w"))
+    stdout, sys.stdout = (
+        sys.stdout,
+        (open(os.ttyname(replica), "w") if watched else open(os.devnull, "w")),
+    )
     try:
         with tempfile.TemporaryDirectory() as directory:
-            progress = core.Progress(steps, 128, log_every, torch.device("cpu"), lambda line: None, 0,
-                                     directory if watched else None)
+            progress = core.Progress(
+                steps,
+                128,
+                log_every,
+                torch.device("cpu"),
+                lambda line: None,
+                0,
+                directory if watched else None,
+            )
             progress.start_epoch(0)
             start = time.perf_counter()
             for step in range(steps):
@@ -99,8 +132,22 @@ with tempfile.TemporaryDirectory() as directory:
         for watched in (True, False):
             rates["watched" if watched else "plain"].append(run(watched, directory))
 watched, plain = (statistics.median(rates[k]) for k in ("watched", "plain"))
-print(json.dumps({"ranks": args.ranks, "steps": args.steps, "pairs": args.pairs,
-                  "median_samples_per_second": {"bar_and_log_dir": round(watched), "neither": round(plain)},
-                  "ratio": round(watched / plain, 4), "runs": rates,
-                  "host_us_per_step": {"bar_and_log_dir": round(host_cost(True), 2),
-                                       "neither": round(host_cost(False), 2)}}))
+print(
+    json.dumps(
+        {
+            "ranks": args.ranks,
+            "steps": args.steps,
+            "pairs": args.pairs,
+            "median_samples_per_second": {
+                "bar_and_log_dir": round(watched),
+                "neither": round(plain),
+            },
+            "ratio": round(watched / plain, 4),
+            "runs": rates,
+            "host_us_per_step": {
+                "bar_and_log_dir": round(host_cost(True), 2),
+                "neither": round(host_cost(False), 2),
+            },
+        }
+    )
+)

@@ -35,8 +35,12 @@ def render(directive):
     if kind == "diff" and len(args) == 3 and args[0] == "-u":
         old, new = args[1:]
         # --label: the file names without diff's timestamps, which would change with every checkout
-        done = subprocess.run(["diff", "-u", "--label", old, "--label", new, old, new], cwd=ROOT,
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            ["diff", "-u", "--label", old, "--label", new, old, new],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         if done.returncode not in (0, 1):  # 1: the files differ, which is the point
             raise SystemExit(f"code_on_page.py: {directive}: {done.stderr.strip()}")
         language, text = "diff", done.stdout
@@ -47,11 +51,16 @@ def render(directive):
         lines = (ROOT / path).read_text().splitlines(keepends=True)
         first = [i for i, line in enumerate(lines) if start in line]
         if len(first) != 1:
-            raise SystemExit(f"code_on_page.py: {directive}: {start!r} is on {len(first)} lines of {path}, not 1")
+            raise SystemExit(
+                f"code_on_page.py: {directive}: {start!r} is on {len(first)} lines of {path}, not 1"
+            )
         last = next((i for i in range(first[0] + 1, len(lines)) if end in lines[i]), None)
         if last is None:
             raise SystemExit(f"code_on_page.py: {directive}: no {end!r} after {start!r} in {path}")
-        language, text = LANGUAGES.get(Path(path).suffix, ""), textwrap.dedent("".join(lines[first[0]:last]))
+        language, text = (
+            LANGUAGES.get(Path(path).suffix, ""),
+            textwrap.dedent("".join(lines[first[0] : last])),
+        )
     else:
         raise SystemExit(f"code_on_page.py: cannot read the directive {directive!r}")
     fence = "```"
@@ -67,7 +76,9 @@ def generated(page_text):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is stale")
+    parser.add_argument(
+        "--check", action="store_true", help="change nothing; exit 1 if a block is stale"
+    )
     args = parser.parse_args()
     stale = []
     for page in PAGES:
@@ -78,9 +89,16 @@ def main():
             if not args.check:
                 page.write_text(new)
     if args.check and stale:
-        print(f"stale generated code in {', '.join(map(str, stale))}: run python docs/code_on_page.py", file=sys.stderr)
+        print(
+            f"stale generated code in {', '.join(map(str, stale))}: run python docs/code_on_page.py",
+            file=sys.stderr,
+        )
         return 1
-    print("every generated block is current" if args.check else f"rewrote: {', '.join(map(str, stale)) or 'nothing'}")
+    print(
+        "every generated block is current"
+        if args.check
+        else f"rewrote: {', '.join(map(str, stale)) or 'nothing'}"
+    )
     return 0
 
 

@@ -35,8 +35,8 @@ import itertools
 import json
 import sys
 import tempfile
-from fractions import Fraction
 from datetime import timedelta
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -74,6 +74,7 @@ TP_BLOCK, TP_BATCH = 2, 4  # the pair drawn: block 2 (conv1 16 -> 32 channels, c
 # Part 1: what the four gloo processes record. Everything that needs a real process group happens here.
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def shard_rows(mesh, rank):
     """fully_shard BabyCNN as train_fsdp.py does (each block, then the root), then find out which rows of each
     parameter this rank holds: every rank writes its own rank number into its shard (to_local()) and
@@ -87,14 +88,23 @@ def shard_rows(mesh, rank):
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.to_local().fill_(rank)
-            owner_of_row = param.full_tensor().flatten(1)[:, 0] if param.dim() > 1 else param.full_tensor()
+            owner_of_row = (
+                param.full_tensor().flatten(1)[:, 0] if param.dim() > 1 else param.full_tensor()
+            )
             rows = [row for row, owner in enumerate(owner_of_row.tolist()) if owner == rank]
             first = rows[0] if rows else 0
-            if rows != list(range(first, first + param.to_local().shape[0])):  # one block of rows, all of to_local()
-                raise AssertionError(f"{name}: rank {rank} holds rows {rows}, to_local() {param.to_local().shape}")
-            parameters[name] = dict(shape=list(param.shape), placements=[repr(p) for p in param.placements],
-                                    local_shape=list(param.to_local().shape),
-                                    rows=[rows[0], rows[-1] + 1] if rows else [])
+            if rows != list(
+                range(first, first + param.to_local().shape[0])
+            ):  # one block of rows, all of to_local()
+                raise AssertionError(
+                    f"{name}: rank {rank} holds rows {rows}, to_local() {param.to_local().shape}"
+                )
+            parameters[name] = dict(
+                shape=list(param.shape),
+                placements=[repr(p) for p in param.placements],
+                local_shape=list(param.to_local().shape),
+                rows=[rows[0], rows[-1] + 1] if rows else [],
+            )
     return parameters
 
 
@@ -144,25 +154,43 @@ def ring_inputs(world):
 def worker(rank, world, init_file, result_file):
     """One of the WORLD gloo processes. Rank 0 writes what they all recorded to ``result_file``."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))  # a stuck collective fails instead of hanging
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )  # a stuck collective fails instead of hanging
     try:
         # Ranks as torchrun numbers them on 2 nodes of 2 processes: rank = node x 2 + local rank.
-        pp_mesh = init_device_mesh("cpu", (world // PIPELINE_RANKS, PIPELINE_RANKS), mesh_dim_names=("pp", "dp"))
+        pp_mesh = init_device_mesh(
+            "cpu", (world // PIPELINE_RANKS, PIPELINE_RANKS), mesh_dim_names=("pp", "dp")
+        )
         full_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-        hybrid_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        hybrid_mesh = init_device_mesh(
+            "cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")
+        )
         # train_tp.py's (dp, tp) mesh: TP groups of 2 neighbouring ranks
         tp_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]
         reduced = ring_inputs(world)[rank].clone()
-        dist.all_reduce(reduced)  # the real thing the ring picture must agree with (gloo picks its own algorithm)
+        dist.all_reduce(
+            reduced
+        )  # the real thing the ring picture must agree with (gloo picks its own algorithm)
         mine = dict(
             full=shard_rows(full_mesh, rank),
             hybrid=shard_rows(hybrid_mesh, rank),
-            meshes={label: dict(names=list(mesh.mesh_dim_names), shape=list(mesh.mesh.shape),
-                                coordinate=mesh.get_coordinate(),
-                                groups={dim: dist.get_process_group_ranks(mesh.get_group(dim))
-                                        for dim in mesh.mesh_dim_names})
-                    for label, mesh in (("pipeline", pp_mesh), ("hybrid", hybrid_mesh))},
+            meshes={
+                label: dict(
+                    names=list(mesh.mesh_dim_names),
+                    shape=list(mesh.mesh.shape),
+                    coordinate=mesh.get_coordinate(),
+                    groups={
+                        dim: dist.get_process_group_ranks(mesh.get_group(dim))
+                        for dim in mesh.mesh_dim_names
+                    },
+                )
+                for label, mesh in (("pipeline", pp_mesh), ("hybrid", hybrid_mesh))
+            },
             all_reduce=reduced.tolist(),
             tp_pair=tp_pair(tp_mesh),
         )
@@ -181,8 +209,12 @@ def record_in_process_group():
     no torch op yet, so no thread pool is copied half-way.)"""
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp, "result.json")
-        mp.start_processes(worker, args=(WORLD, Path(tmp, "rendezvous"), result_file), nprocs=WORLD,
-                           start_method="fork")
+        mp.start_processes(
+            worker,
+            args=(WORLD, Path(tmp, "rendezvous"), result_file),
+            nprocs=WORLD,
+            start_method="fork",
+        )
         return json.loads(result_file.read_text())
 
 
@@ -190,16 +222,22 @@ def record_in_process_group():
 # Part 2: turn the records into the data each picture draws (this is what figures.json holds).
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def fsdp_data(records):
     layouts = {}
-    for label, title in (("full", "--sharding full: fully_shard on a 1-D mesh of 4 ranks"),
-                         ("hybrid", "--sharding hybrid: a (replicate 2, shard 2) mesh")):
+    for label, title in (
+        ("full", "--sharding full: fully_shard on a 1-D mesh of 4 ranks"),
+        ("hybrid", "--sharding hybrid: a (replicate 2, shard 2) mesh"),
+    ):
         parameters = {}
         for name in records[0][label]:
             per_rank = [records[rank][label][name] for rank in range(len(records))]
-            parameters[name] = dict(shape=per_rank[0]["shape"], placements=per_rank[0]["placements"],
-                                    local_shapes=[p["local_shape"] for p in per_rank],
-                                    rows=[p["rows"] for p in per_rank])
+            parameters[name] = dict(
+                shape=per_rank[0]["shape"],
+                placements=per_rank[0]["placements"],
+                local_shapes=[p["local_shape"] for p in per_rank],
+                rows=[p["rows"] for p in per_rank],
+            )
         layouts[label] = dict(title=title, parameters=parameters)
     return dict(png="fsdp_shards.png", world_size=len(records), layouts=layouts)
 
@@ -208,18 +246,45 @@ def sampler_data():
     """What DistributedSampler gives each rank (shuffle, seed 0): with drop_last=True, as the scripts set it, on 2 and
     4 ranks, and with drop_last=False, its default, on 4 ranks, where 18 samples do not divide by 4."""
     # One replica gets the whole shuffled order: the permutation every rank computes from the seed and epoch.
-    order = list(DistributedSampler(range(SAMPLES), num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True))
+    order = list(
+        DistributedSampler(
+            range(SAMPLES), num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True
+        )
+    )
     panels = []
     for world, drop_last in SAMPLER_PANELS:
-        ranks = [list(DistributedSampler(range(SAMPLES), num_replicas=world, rank=rank, shuffle=True, seed=0,
-                                         drop_last=drop_last)) for rank in range(world)]
+        ranks = [
+            list(
+                DistributedSampler(
+                    range(SAMPLES),
+                    num_replicas=world,
+                    rank=rank,
+                    shuffle=True,
+                    seed=0,
+                    drop_last=drop_last,
+                )
+            )
+            for rank in range(world)
+        ]
         per_rank = SAMPLES // world if drop_last else -(-SAMPLES // world)
         # drop_last=False pads the order to per_rank x world by repeating its first indices.
-        dealt = order[:per_rank * world] if drop_last else order + order[:per_rank * world - SAMPLES]
+        dealt = (
+            order[: per_rank * world] if drop_last else order + order[: per_rank * world - SAMPLES]
+        )
         if any(ranks[rank] != dealt[rank::world] for rank in range(world)):  # what the picture says
-            raise AssertionError(f"rank r does not get positions r, r+{world}, ... of {dealt}: {ranks}")
-        panels.append(dict(world_size=world, drop_last=drop_last, ranks=ranks, per_rank=per_rank,
-                           dropped=order[len(dealt):], repeated=dealt[SAMPLES:]))
+            raise AssertionError(
+                f"rank r does not get positions r, r+{world}, ... of {dealt}: {ranks}"
+            )
+        panels.append(
+            dict(
+                world_size=world,
+                drop_last=drop_last,
+                ranks=ranks,
+                per_rank=per_rank,
+                dropped=order[len(dealt) :],
+                repeated=dealt[SAMPLES:],
+            )
+        )
     return dict(png="sampler.png", samples=SAMPLES, seed=0, epoch=0, order=order, panels=panels)
 
 
@@ -233,16 +298,32 @@ def ring_data(records):
     grows, in 2 (N - 1) steps that each pay the link's latency once."""
     world = len(records)
     inputs = ring_inputs(world)
-    chunks = [list(tensor.chunk(world)) for tensor in inputs]  # chunks[rank][c]: rank's current copy of chunk c
-    holders = [[[rank] for _ in range(world)] for rank in range(world)]  # whose inputs are summed in that copy
+    chunks = [
+        list(tensor.chunk(world)) for tensor in inputs
+    ]  # chunks[rank][c]: rank's current copy of chunk c
+    holders = [
+        [[rank] for _ in range(world)] for rank in range(world)
+    ]  # whose inputs are summed in that copy
     steps, sent = [], [0] * world  # sent[rank]: elements that rank has sent
     for phase in ("reduce-scatter", "all-gather"):
         for step in range(world - 1):
             first = -step if phase == "reduce-scatter" else 1 - step
-            sends = [dict(src=rank, dst=(rank + 1) % world, chunk=(rank + first) % world) for rank in range(world)]
-            steps.append(dict(phase=phase, step=step + 1, sends=sends,
-                              before=[[list(h) for h in held] for held in holders]))
-            outgoing = [(s, chunks[s["src"]][s["chunk"]].clone(), list(holders[s["src"]][s["chunk"]])) for s in sends]
+            sends = [
+                dict(src=rank, dst=(rank + 1) % world, chunk=(rank + first) % world)
+                for rank in range(world)
+            ]
+            steps.append(
+                dict(
+                    phase=phase,
+                    step=step + 1,
+                    sends=sends,
+                    before=[[list(h) for h in held] for held in holders],
+                )
+            )
+            outgoing = [
+                (s, chunks[s["src"]][s["chunk"]].clone(), list(holders[s["src"]][s["chunk"]]))
+                for s in sends
+            ]
             for send, tensor, summed in outgoing:  # all sends of a step happen at once
                 dst, chunk = send["dst"], send["chunk"]
                 sent[send["src"]] += tensor.numel()
@@ -256,21 +337,37 @@ def ring_data(records):
     expected = sum(inputs).tolist()
     # The picture must not show wrong math: the simulation, the real collective and the plain sum agree exactly.
     if not (result == real == [expected] * world):
-        raise AssertionError(f"ring simulation {result} != dist.all_reduce {real} or the sum {expected}")
+        raise AssertionError(
+            f"ring simulation {result} != dist.all_reduce {real} or the sum {expected}"
+        )
     share = [Fraction(elements, inputs[0].numel()) for elements in sent]
-    if share != [Fraction(2 * (world - 1), world)] * world or len(steps) != 2 * (world - 1):  # what the caption says
-        raise AssertionError(f"each rank sends {share} of its tensor in {len(steps)} steps, not 2(W-1)/W in 2(W-1)")
-    return dict(png="ring_allreduce.png", world_size=world, inputs=[t.tolist() for t in inputs], steps=steps,
-                final=[[list(h) for h in held] for held in holders], result=result, all_reduce=real,
-                sent_share=[[f.numerator, f.denominator] for f in share])
+    if share != [Fraction(2 * (world - 1), world)] * world or len(steps) != 2 * (
+        world - 1
+    ):  # what the caption says
+        raise AssertionError(
+            f"each rank sends {share} of its tensor in {len(steps)} steps, not 2(W-1)/W in 2(W-1)"
+        )
+    return dict(
+        png="ring_allreduce.png",
+        world_size=world,
+        inputs=[t.tolist() for t in inputs],
+        steps=steps,
+        final=[[list(h) for h in held] for held in holders],
+        result=result,
+        all_reduce=real,
+        sent_share=[[f.numerator, f.denominator] for f in share],
+    )
 
 
 def mesh_data(records):
     meshes = {}
     for label in ("pipeline", "hybrid"):
-        meshes[label] = dict(names=records[0]["meshes"][label]["names"], shape=records[0]["meshes"][label]["shape"],
-                             coordinates=[records[r]["meshes"][label]["coordinate"] for r in range(len(records))],
-                             groups=[records[r]["meshes"][label]["groups"] for r in range(len(records))])
+        meshes[label] = dict(
+            names=records[0]["meshes"][label]["names"],
+            shape=records[0]["meshes"][label]["shape"],
+            coordinates=[records[r]["meshes"][label]["coordinate"] for r in range(len(records))],
+            groups=[records[r]["meshes"][label]["groups"] for r in range(len(records))],
+        )
     return dict(png="device_mesh.png", nodes=2, processes_per_node=len(records) // 2, meshes=meshes)
 
 
@@ -452,6 +549,7 @@ def overlap_data():
 # Part 3: draw. Each function draws only from its part of figures.json.
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def lighter(colour, amount):
     """``colour`` mixed with ``amount`` of white."""
     r, g, b = to_rgb(colour)
@@ -470,8 +568,13 @@ def frame(fig, title, note, top=0.75, bottom=0.45, left=0.2, right=0.2, **spacin
     width, height = fig.get_size_inches()
     fig.text(0.1 / width, 1 - 0.1 / height, title, fontsize=12, fontweight="bold", va="top")
     fig.text(0.1 / width, 1 - 0.4 / height, note, fontsize=9, va="top", linespacing=1.4)
-    fig.subplots_adjust(left=left / width, right=1 - right / width, top=1 - top / height, bottom=bottom / height,
-                        **spacing)
+    fig.subplots_adjust(
+        left=left / width,
+        right=1 - right / width,
+        top=1 - top / height,
+        bottom=bottom / height,
+        **spacing,
+    )
 
 
 def figure(size, rows=1, columns=1, **options):
@@ -504,48 +607,106 @@ def draw_fsdp(data, path):
                 height = 0.8 / len(ranks)
                 for lane, rank in enumerate(ranks):
                     bottom = y - 0.4 + lane * height
-                    ax.add_patch(Rectangle((start / n, bottom), (stop - start) / n, height,
-                                           facecolor=RANK_COLOURS[rank], edgecolor="white", linewidth=1.5))
+                    ax.add_patch(
+                        Rectangle(
+                            (start / n, bottom),
+                            (stop - start) / n,
+                            height,
+                            facecolor=RANK_COLOURS[rank],
+                            edgecolor="white",
+                            linewidth=1.5,
+                        )
+                    )
                     rows_text = f"{start}–{stop - 1}" if stop - start > 1 else f"{start}"
-                    ax.text((start + stop) / 2 / n, bottom + height / 2, f"r{rank}: {rows_text}",
-                            ha="center", va="center", fontsize=7.5 if len(ranks) == 1 else 6.5,
-                            color=ink(RANK_COLOURS[rank]))
-            ax.text(1.015, y, f"{' / '.join(str(shape[0]) for shape in p['local_shapes'])}", va="center",
-                    fontsize=8, transform=ax.get_yaxis_transform())
-        ax.set_yticks(range(len(names)), [f"{name}  {'×'.join(map(str, layout['parameters'][name]['shape']))}"
-                                          for name in names], fontsize=8)
+                    ax.text(
+                        (start + stop) / 2 / n,
+                        bottom + height / 2,
+                        f"r{rank}: {rows_text}",
+                        ha="center",
+                        va="center",
+                        fontsize=7.5 if len(ranks) == 1 else 6.5,
+                        color=ink(RANK_COLOURS[rank]),
+                    )
+            ax.text(
+                1.015,
+                y,
+                f"{' / '.join(str(shape[0]) for shape in p['local_shapes'])}",
+                va="center",
+                fontsize=8,
+                transform=ax.get_yaxis_transform(),
+            )
+        ax.set_yticks(
+            range(len(names)),
+            [
+                f"{name}  {'×'.join(map(str, layout['parameters'][name]['shape']))}"
+                for name in names
+            ],
+            fontsize=8,
+        )
         ax.set_ylim(len(names) - 0.5, -0.5)
         ax.set_xlim(0, 1)
         ax.set_xticks([0, 0.25, 0.5, 0.75, 1], ["0", "¼", "½", "¾", "all"])
-        ax.set_xlabel("rows (dim 0) of the parameter. In a bar, r1: 2–3 = rank 1 holds rows 2 to 3;\n"
-                      "right of it, the rows each rank holds, rank 0 / 1 / 2 / 3", fontsize=9)
+        ax.set_xlabel(
+            "rows (dim 0) of the parameter. In a bar, r1: 2–3 = rank 1 holds rows 2 to 3;\n"
+            "right of it, the rows each rank holds, rank 0 / 1 / 2 / 3",
+            fontsize=9,
+        )
         placements = sorted({", ".join(p["placements"]) for p in layout["parameters"].values()})
-        ax.set_title(f"{layout['title']}\nevery parameter a DTensor, placements ({'; '.join(placements)})",
-                     fontsize=10)
-    frame(fig, f"FSDP2: which rows of each BabyCNN parameter each of {data['world_size']} ranks holds after "
-          "fully_shard (each block, then the root, as train_fsdp.py does)",
-          "Every rank wrote its rank number into its shard (param.to_local()), and full_tensor() gathered the "
-          "shards back: row i of the result names its holder. Dim 0 is cut like torch.chunk, ceil(rows / ranks) "
-          "each,\nso blocks.3.fc's 10 rows split 3 / 3 / 3 / 1. In the hybrid mesh ranks 0 and 2 hold the same "
-          "rows (replicas, one per node), and so do ranks 1 and 3.",
-          top=1.25, bottom=0.75, left=2.5, right=1.3, wspace=0.22)
+        ax.set_title(
+            f"{layout['title']}\nevery parameter a DTensor, placements ({'; '.join(placements)})",
+            fontsize=10,
+        )
+    frame(
+        fig,
+        f"FSDP2: which rows of each BabyCNN parameter each of {data['world_size']} ranks holds after "
+        "fully_shard (each block, then the root, as train_fsdp.py does)",
+        "Every rank wrote its rank number into its shard (param.to_local()), and full_tensor() gathered the "
+        "shards back: row i of the result names its holder. Dim 0 is cut like torch.chunk, ceil(rows / ranks) "
+        "each,\nso blocks.3.fc's 10 rows split 3 / 3 / 3 / 1. In the hybrid mesh ranks 0 and 2 hold the same "
+        "rows (replicas, one per node), and so do ranks 1 and 3.",
+        top=1.25,
+        bottom=0.75,
+        left=2.5,
+        right=1.3,
+        wspace=0.22,
+    )
     save(fig, path)
 
 
 def sampler_cell(ax, x, y, label, face, repeated=False):
     """A sample in one position; a repeated one (drop_last=False's padding) pale, with a dashed border."""
     face = lighter(face, 0.55) if repeated else face
-    ax.add_patch(Rectangle((x + 0.05, y - 0.4), 0.9, 0.8, facecolor=face, edgecolor="black" if repeated else "none",
-                           linestyle="--", linewidth=1.2))
-    ax.text(x + 0.5, y, str(label), ha="center", va="center", fontsize=9,
-            color="#888888" if face == IDLE else ink(face))
+    ax.add_patch(
+        Rectangle(
+            (x + 0.05, y - 0.4),
+            0.9,
+            0.8,
+            facecolor=face,
+            edgecolor="black" if repeated else "none",
+            linestyle="--",
+            linewidth=1.2,
+        )
+    )
+    ax.text(
+        x + 0.5,
+        y,
+        str(label),
+        ha="center",
+        va="center",
+        fontsize=9,
+        color="#888888" if face == IDLE else ink(face),
+    )
 
 
 def draw_sampler(data, path):
     panels = data["panels"]
     n = data["samples"]
-    fig, axes = figure((13, 0.55 * sum(2 + p["world_size"] for p in panels) + 1.5), len(panels), 1,
-                       height_ratios=[1 + p["world_size"] for p in panels])
+    fig, axes = figure(
+        (13, 0.55 * sum(2 + p["world_size"] for p in panels) + 1.5),
+        len(panels),
+        1,
+        height_ratios=[1 + p["world_size"] for p in panels],
+    )
     for ax, p in zip(axes, panels):
         world = p["world_size"]
         dealt = data["order"] + p["repeated"]  # the positions the ranks are dealt from
@@ -554,10 +715,18 @@ def draw_sampler(data, path):
             sampler_cell(ax, position, 0, sample, face, repeated=position >= n)
         for rank, samples in enumerate(p["ranks"]):
             for k, sample in enumerate(samples):
-                sampler_cell(ax, rank + k * world, rank + 1, sample, RANK_COLOURS[rank],
-                             repeated=rank + k * world >= n)
+                sampler_cell(
+                    ax,
+                    rank + k * world,
+                    rank + 1,
+                    sample,
+                    RANK_COLOURS[rank],
+                    repeated=rank + k * world >= n,
+                )
             ax.text(len(dealt) + 0.3, rank + 1, f"= {samples}", va="center", fontsize=9)
-        ax.set_yticks(range(world + 1), ["epoch order"] + [f"rank {r}" for r in range(world)], fontsize=9)
+        ax.set_yticks(
+            range(world + 1), ["epoch order"] + [f"rank {r}" for r in range(world)], fontsize=9
+        )
         ax.set_xticks([q + 0.5 for q in range(len(dealt))], range(len(dealt)), fontsize=8)
         ax.set_xlim(0, n + 8)
         ax.set_ylim(world + 0.6, -0.6)
@@ -567,20 +736,34 @@ def draw_sampler(data, path):
         if p["dropped"]:
             rest = f"positions {n - len(p['dropped'])}–{n - 1} dropped (grey)"
         elif p["repeated"]:
-            rest = (f"padded to {len(dealt)} by repeating the first {len(p['repeated'])} indices (dashed): "
-                    f"samples {' and '.join(map(str, p['repeated']))} are seen twice this epoch")
+            rest = (
+                f"padded to {len(dealt)} by repeating the first {len(p['repeated'])} indices (dashed): "
+                f"samples {' and '.join(map(str, p['repeated']))} are seen twice this epoch"
+            )
         else:
             rest = f"{n} divides by {world}: nothing dropped or added"
-        ax.set_title(f"{world} ranks, drop_last={p['drop_last']}: {p['per_rank']} samples each; {rest}",
-                     loc="left", fontsize=10)
-    axes[-1].set_xlabel("position in the epoch's shuffled order (the numbers in the cells are sample indices)")
-    frame(fig, f"DistributedSampler over {n} samples (shuffle=True, seed={data['seed']}, epoch {data['epoch']}): "
-          "each rank's share",
-          "Every rank draws the same permutation from seed + epoch (set_epoch changes it each epoch) and takes "
-          "every W-th entry from position r, so every rank gets the same count.\nWhen W does not divide the "
-          "samples, drop_last=True (the scripts' setting) leaves the last positions to no rank; drop_last=False "
-          "(the default) pads the order with its\nfirst indices instead, so a few samples count twice.",
-          top=1.25, bottom=0.55, left=1.0, right=0.1, hspace=0.35)
+        ax.set_title(
+            f"{world} ranks, drop_last={p['drop_last']}: {p['per_rank']} samples each; {rest}",
+            loc="left",
+            fontsize=10,
+        )
+    axes[-1].set_xlabel(
+        "position in the epoch's shuffled order (the numbers in the cells are sample indices)"
+    )
+    frame(
+        fig,
+        f"DistributedSampler over {n} samples (shuffle=True, seed={data['seed']}, epoch {data['epoch']}): "
+        "each rank's share",
+        "Every rank draws the same permutation from seed + epoch (set_epoch changes it each epoch) and takes "
+        "every W-th entry from position r, so every rank gets the same count.\nWhen W does not divide the "
+        "samples, drop_last=True (the scripts' setting) leaves the last positions to no rank; drop_last=False "
+        "(the default) pads the order with its\nfirst indices instead, so a few samples count twice.",
+        top=1.25,
+        bottom=0.55,
+        left=1.0,
+        right=0.1,
+        hspace=0.35,
+    )
     save(fig, path)
 
 
@@ -601,41 +784,86 @@ def draw_ring(data, path):
                 summed = row["before"][rank][chunk]
                 face = colours(0.15 + 0.8 * (len(summed) - 1) / (world - 1))
                 sending = rank in sent and sent[rank]["chunk"] == chunk
-                ax.add_patch(Rectangle((x0 + chunk + 0.05, y - 0.3), 0.9, 0.6, facecolor=face,
-                                       edgecolor="black" if sending else "white", linewidth=2.5 if sending else 1))
+                ax.add_patch(
+                    Rectangle(
+                        (x0 + chunk + 0.05, y - 0.3),
+                        0.9,
+                        0.6,
+                        facecolor=face,
+                        edgecolor="black" if sending else "white",
+                        linewidth=2.5 if sending else 1,
+                    )
+                )
                 label = "all" if len(summed) == world else "+".join(map(str, summed))
-                ax.text(x0 + chunk + 0.5, y, label, ha="center", va="center", fontsize=8, color=ink(face))
+                ax.text(
+                    x0 + chunk + 0.5,
+                    y,
+                    label,
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color=ink(face),
+                )
             if rank in sent:
                 s = sent[rank]
                 verb = "adds it" if row["phase"] == "reduce-scatter" else "copies it"
-                ax.text(x0 + world / 2, y + 0.45, f"sends c{s['chunk']} → rank {s['dst']}, which {verb}",
-                        ha="center", va="center", fontsize=8)
-        label = "result" if row["phase"] == "result" else f"{row['phase']}\nstep {row['step']} of {world - 1}"
+                ax.text(
+                    x0 + world / 2,
+                    y + 0.45,
+                    f"sends c{s['chunk']} → rank {s['dst']}, which {verb}",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                )
+        label = (
+            "result"
+            if row["phase"] == "result"
+            else f"{row['phase']}\nstep {row['step']} of {world - 1}"
+        )
         ax.text(-0.3, y, label, ha="right", va="center", fontsize=9)
     for rank in range(world):
-        ax.text(rank * group_width + world / 2, -0.65, f"rank {rank}:  chunks c0 … c{world - 1}",
-                ha="center", fontsize=10, fontweight="bold")
+        ax.text(
+            rank * group_width + world / 2,
+            -0.65,
+            f"rank {rank}:  chunks c0 … c{world - 1}",
+            ha="center",
+            fontsize=10,
+            fontweight="bold",
+        )
     ax.set_xlim(-3.2, world * group_width)
     ax.set_ylim(len(rows) - 0.4, -1.0)
     ax.axis("off")
-    frame(fig, f"Ring all-reduce on {world} ranks, each tensor cut in {world} chunks: {world - 1} reduce-scatter "
-          f"steps, then {world - 1} all-gather steps",
-          "A cell lists the ranks whose inputs that rank's copy of the chunk sums so far. Each row is the state "
-          "before its step; the outlined chunk is the one the rank sends to the next rank on the ring.\n"
-          f"Every rank sends {steps} chunks of 1/{world}: {share} of its tensor, 2(W−1)/W, which nears 2 as W grows; "
-          f"and the {steps} = 2(W−1) steps each pay the link's latency α, so n bytes cost about "
-          "2(W−1)·α + 2(W−1)/W·n·β\n(β: seconds per byte), a latency term that grows with W. "
-          f"Checked against a real dist.all_reduce (gloo): {data['result'][0]} on every rank.",
-          top=1.25, bottom=0.1, left=0.1, right=0.1)
+    frame(
+        fig,
+        f"Ring all-reduce on {world} ranks, each tensor cut in {world} chunks: {world - 1} reduce-scatter "
+        f"steps, then {world - 1} all-gather steps",
+        "A cell lists the ranks whose inputs that rank's copy of the chunk sums so far. Each row is the state "
+        "before its step; the outlined chunk is the one the rank sends to the next rank on the ring.\n"
+        f"Every rank sends {steps} chunks of 1/{world}: {share} of its tensor, 2(W−1)/W, which nears 2 as W grows; "
+        f"and the {steps} = 2(W−1) steps each pay the link's latency α, so n bytes cost about "
+        "2(W−1)·α + 2(W−1)/W·n·β\n(β: seconds per byte), a latency term that grows with W. "
+        f"Checked against a real dist.all_reduce (gloo): {data['result'][0]} on every rank.",
+        top=1.25,
+        bottom=0.1,
+        left=0.1,
+        right=0.1,
+    )
     save(fig, path)
 
 
 def draw_mesh(data, path):
     nodes, per_node = data["nodes"], data["processes_per_node"]
     fig, axes = figure((13, 4.8), 1, len(data["meshes"]))
-    captions = {"pipeline": "train_pippy.py --data-parallel 2: init_device_mesh(..., (2, 2), ('pp', 'dp'))",
-                "hybrid": "train_fsdp.py --sharding hybrid: init_device_mesh(..., (2, 2), ('replicate', 'shard'))"}
-    width, height, step_x, step_y = 1.5, 1.0, 2.6, 2.0  # a rank's box, and the distance between boxes
+    captions = {
+        "pipeline": "train_pippy.py --data-parallel 2: init_device_mesh(..., (2, 2), ('pp', 'dp'))",
+        "hybrid": "train_fsdp.py --sharding hybrid: init_device_mesh(..., (2, 2), ('replicate', 'shard'))",
+    }
+    width, height, step_x, step_y = (
+        1.5,
+        1.0,
+        2.6,
+        2.0,
+    )  # a rank's box, and the distance between boxes
 
     def centre(rank):
         node, local = divmod(rank, per_node)
@@ -644,10 +872,25 @@ def draw_mesh(data, path):
     for ax, (label, mesh) in zip(axes, data["meshes"].items()):
         for rank, coordinate in enumerate(mesh["coordinates"]):
             x, y = centre(rank)
-            ax.add_patch(Rectangle((x - width / 2, y - height / 2), width, height, facecolor=RANK_COLOURS[rank],
-                                   edgecolor="none"))
-            ax.text(x, y, f"rank {rank}\n" + ", ".join(f"{name} {c}" for name, c in zip(mesh["names"], coordinate)),
-                    ha="center", va="center", color=ink(RANK_COLOURS[rank]), fontsize=10)
+            ax.add_patch(
+                Rectangle(
+                    (x - width / 2, y - height / 2),
+                    width,
+                    height,
+                    facecolor=RANK_COLOURS[rank],
+                    edgecolor="none",
+                )
+            )
+            ax.text(
+                x,
+                y,
+                f"rank {rank}\n"
+                + ", ".join(f"{name} {c}" for name, c in zip(mesh["names"], coordinate)),
+                ha="center",
+                va="center",
+                color=ink(RANK_COLOURS[rank]),
+                fontsize=10,
+            )
         # Each mesh dimension's process groups, as the mesh made them: a line from box to box through the gap.
         for dim in mesh["names"]:
             for group in sorted({tuple(g[dim]) for g in mesh["groups"]}):
@@ -655,28 +898,55 @@ def draw_mesh(data, path):
                     (xa, ya), (xb, yb) = centre(a), centre(b)
                     if ya == yb:  # same node: across the gap between columns
                         xs, ys = (xa + width / 2, xb - width / 2), (ya, yb)
-                        ax.text(sum(xs) / 2, ya - 0.12, f"{dim} group\n{list(group)}", ha="center", va="bottom",
-                                fontsize=8.5)
+                        ax.text(
+                            sum(xs) / 2,
+                            ya - 0.12,
+                            f"{dim} group\n{list(group)}",
+                            ha="center",
+                            va="bottom",
+                            fontsize=8.5,
+                        )
                     else:  # across nodes: through the gap between rows
                         xs, ys = (xa, xb), (ya + height / 2, yb - height / 2)
-                        inward = 1 if xa < per_node * step_x / 2 else -1  # the label away from the panel's edge
-                        ax.text(xa + 0.08 * inward, sum(ys) / 2, f"{dim} group {list(group)}", va="center",
-                                ha="left" if inward > 0 else "right", fontsize=8.5)
+                        inward = (
+                            1 if xa < per_node * step_x / 2 else -1
+                        )  # the label away from the panel's edge
+                        ax.text(
+                            xa + 0.08 * inward,
+                            sum(ys) / 2,
+                            f"{dim} group {list(group)}",
+                            va="center",
+                            ha="left" if inward > 0 else "right",
+                            fontsize=8.5,
+                        )
                     ax.plot(xs, ys, color="black", linewidth=2)
         ax.set_xlim(-0.1, (per_node - 1) * step_x + width + 0.1)
         ax.set_ylim((nodes - 1) * step_y + height + 0.1, -0.1)
-        ax.set_xticks([centre(local)[0] for local in range(per_node)], [f"local rank {x}" for x in range(per_node)])
-        ax.set_yticks([centre(node * per_node)[1] for node in range(nodes)], [f"node {y}" for y in range(nodes)])
+        ax.set_xticks(
+            [centre(local)[0] for local in range(per_node)],
+            [f"local rank {x}" for x in range(per_node)],
+        )
+        ax.set_yticks(
+            [centre(node * per_node)[1] for node in range(nodes)],
+            [f"node {y}" for y in range(nodes)],
+        )
         ax.tick_params(length=0)
         for side in ax.spines.values():
             side.set_visible(False)
         ax.set_title(captions[label], fontsize=9.5)
-    frame(fig, f"Device meshes on {nodes} nodes x {per_node} processes (torchrun numbers rank = node x {per_node} "
-          "+ local rank)",
-          "Lines join the ranks of one process group. Pipeline: a stage's replicas (dp) share a node, so the "
-          "gradient all-reduce of every step stays on the fast links;\nonly activations cross nodes. Hybrid FSDP: "
-          "shards within a node (all-gathers every step), replicas across nodes (one all-reduce of shards).",
-          top=1.15, bottom=0.45, left=0.7, right=0.2, wspace=0.3)
+    frame(
+        fig,
+        f"Device meshes on {nodes} nodes x {per_node} processes (torchrun numbers rank = node x {per_node} "
+        "+ local rank)",
+        "Lines join the ranks of one process group. Pipeline: a stage's replicas (dp) share a node, so the "
+        "gradient all-reduce of every step stays on the fast links;\nonly activations cross nodes. Hybrid FSDP: "
+        "shards within a node (all-gathers every step), replicas across nodes (one all-reduce of shards).",
+        top=1.15,
+        bottom=0.45,
+        left=0.7,
+        right=0.2,
+        wspace=0.3,
+    )
     save(fig, path)
 
 
@@ -897,18 +1167,35 @@ def draw_overlap(data, path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "images",
-                        help="directory for the PNGs and figures.json (default: docs/images)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parent / "images",
+        help="directory for the PNGs and figures.json (default: docs/images)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    records = record_in_process_group()  # first: no torch op may run in this process before the fork
+    records = (
+        record_in_process_group()
+    )  # first: no torch op may run in this process before the fork
     torch.set_num_threads(1)
-    figures = dict(fsdp_shards=fsdp_data(records), sampler=sampler_data(),
-                   ring_allreduce=ring_data(records), device_mesh=mesh_data(records),
-                   tp_pair=tp_data(records), overlap=overlap_data())
-    drawers = dict(fsdp_shards=draw_fsdp, sampler=draw_sampler, ring_allreduce=draw_ring,
-                   device_mesh=draw_mesh, tp_pair=draw_tp, overlap=draw_overlap)
+    figures = dict(
+        fsdp_shards=fsdp_data(records),
+        sampler=sampler_data(),
+        ring_allreduce=ring_data(records),
+        device_mesh=mesh_data(records),
+        tp_pair=tp_data(records),
+        overlap=overlap_data(),
+    )
+    drawers = dict(
+        fsdp_shards=draw_fsdp,
+        sampler=draw_sampler,
+        ring_allreduce=draw_ring,
+        device_mesh=draw_mesh,
+        tp_pair=draw_tp,
+        overlap=draw_overlap,
+    )
     for key, data in figures.items():
         drawers[key](data, args.out / data["png"])
     (args.out / "figures.json").write_text(json.dumps(figures, indent=1) + "\n")

@@ -45,7 +45,9 @@ class Head(nn.Module):
     def __init__(self, channels, feature_size, num_classes, device=None, dtype=None):
         super().__init__()
         self.conv = nn.Conv2d(channels, channels, 3, padding=1, device=device, dtype=dtype)
-        self.fc = nn.Linear(channels * feature_size * feature_size, num_classes, device=device, dtype=dtype)
+        self.fc = nn.Linear(
+            channels * feature_size * feature_size, num_classes, device=device, dtype=dtype
+        )
 
     def forward(self, x):
         x = torch.relu(self.conv(x))
@@ -60,20 +62,25 @@ class BabyCNN(nn.Module):
     channels, so parameters and compute grow with its square.
     """
 
-    def __init__(self, in_channels=1, num_classes=10, image_size=28, width=1, device=None, dtype=None):
+    def __init__(
+        self, in_channels=1, num_classes=10, image_size=28, width=1, device=None, dtype=None
+    ):
         super().__init__()
         if width < 1 or image_size < 4:
-            raise ValueError(f"BabyCNN needs width >= 1 and image_size >= 4, got {width} and {image_size}")
+            raise ValueError(
+                f"BabyCNN needs width >= 1 and image_size >= 4, got {width} and {image_size}"
+            )
         c = 8 * width
         feature_size = image_size // 4  # two 2x2 pools
-        self.config = dict(in_channels=in_channels, num_classes=num_classes, image_size=image_size, width=width)
         self.blocks = nn.Sequential(
             ConvBlock(in_channels, c, pool=True, device=device, dtype=dtype),
             ConvBlock(c, 2 * c, pool=True, device=device, dtype=dtype),
             ConvBlock(2 * c, 4 * c, pool=False, device=device, dtype=dtype),
             Head(4 * c, feature_size, num_classes, device=device, dtype=dtype),
         )
-        if torch.device(device or "cpu").type != "meta":  # on meta, the caller initialises after to_empty
+        if (
+            torch.device(device or "cpu").type != "meta"
+        ):  # on meta, the caller initialises after to_empty
             self.reset_parameters()
 
     def forward(self, x):

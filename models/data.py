@@ -16,6 +16,7 @@ agree on them and reads them.
 characters (models/shakespeare.py); not among --dataset's choices until the scripts build the GPT.
 """
 
+import argparse
 import fcntl
 import gzip
 import math
@@ -30,26 +31,50 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from plumbing.training import number
-
 NUM_CLASSES = 10  # every one of them: ten digits, ten garments, ten CIFAR classes
 BUNDLED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mnist")  # --dataset auto
 DOWNLOAD_TIMEOUT_SECONDS = 5
+
+
+def _positive_int(text):  # argparse type, with the scripts' own flags' messages
+    if (value := int(text)) < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+_positive_int.__name__ = "int"  # argparse's "invalid int value: 'abc'"
 
 
 class DataError(Exception):
     """A dataset problem the user can fix; the message is one line that says how."""
 
 
-def add_arguments(parser):  # the bundled model's and data's flags: a copy with its own leaves them out
+def add_arguments(
+    parser,
+):  # the bundled model's and data's flags: a copy with its own leaves them out
     add = parser.add_argument
-    add("--width", type=number(int, 1), default=1, help="BabyCNN channel multiplier (parameters grow with its "
-        "square)")
-    add("--dataset", choices=("auto", "synthetic", *_TORCHVISION), default="auto",
-        help="auto: the MNIST files in models/mnist/, no network; mnist: a copy in --data-dir; synthetic: for tests")
-    add("--data-dir", help="where mnist, fashion-mnist and cifar10 are read from and downloaded to (default: ./data); "
-        "not with --dataset auto")
-    add("--no-download", action="store_true", help="never use the network; use only files already in --data-dir")
+    add(
+        "--width",
+        type=_positive_int,
+        default=1,
+        help="BabyCNN channel multiplier (parameters grow with its square)",
+    )
+    add(
+        "--dataset",
+        choices=("auto", "synthetic", *_TORCHVISION),
+        default="auto",
+        help="auto: the MNIST files in models/mnist/, no network; mnist: a copy in --data-dir; synthetic: for tests",
+    )
+    add(
+        "--data-dir",
+        help="where mnist, fashion-mnist and cifar10 are read from and downloaded to (default: ./data); "
+        "not with --dataset auto",
+    )
+    add(
+        "--no-download",
+        action="store_true",
+        help="never use the network; use only files already in --data-dir",
+    )
 
 
 def find(name, data_dir, download=True):
@@ -57,28 +82,47 @@ def find(name, data_dir, download=True):
     first, when missing and allowed), or what is wrong with them. Call it before the process group exists: a
     download may outlast any collective's timeout. The processes sharing a ``data_dir`` take turns (a file lock),
     so one downloads and the others then find the files."""
-    if name == "auto" and data_dir is not None:  # never read: say so, rather than train on other data than asked
-        raise DataError(f"--data-dir {data_dir} is not read with --dataset auto, which trains on the MNIST files in "
-                        f"{BUNDLED}: add --dataset mnist to train on the MNIST files in {data_dir}")
+    if (
+        name == "auto" and data_dir is not None
+    ):  # never read: say so, rather than train on other data than asked
+        raise DataError(
+            f"--data-dir {data_dir} is not read with --dataset auto, which trains on the MNIST files in "
+            f"{BUNDLED}: add --dataset mnist to train on the MNIST files in {data_dir}"
+        )
     if name == "shakespeare":  # the text in models/tinyshakespeare/: checked here, never downloaded
         return _find_text(data_dir)
-    data_dir = BUNDLED if name == "auto" else data_dir or "./data"  # auto: the copy that ships with the project
-    found = {"name": name, "data_dir": os.path.abspath(data_dir), "missing": None, "broken": None,
-             "node": f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"}
+    data_dir = (
+        BUNDLED if name == "auto" else data_dir or "./data"
+    )  # auto: the copy that ships with the project
+    found = {
+        "name": name,
+        "data_dir": os.path.abspath(data_dir),
+        "missing": None,
+        "broken": None,
+        "node": f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})",
+    }
     if name == "synthetic":
         return found
     wanted = "mnist" if name == "auto" else name
     folder = data_dir if wanted == "cifar10" else os.path.dirname(_idx_paths(wanted, data_dir)[0])
-    if os.path.isdir(folder) and not os.access(folder, os.R_OK | os.X_OK):  # not "missing": the fix is another
-        found["broken"] = f"{os.path.abspath(folder)} cannot be read by this user (permission denied): let it read it"
+    if os.path.isdir(folder) and not os.access(
+        folder, os.R_OK | os.X_OK
+    ):  # not "missing": the fix is another
+        found["broken"] = (
+            f"{os.path.abspath(folder)} cannot be read by this user (permission denied): let it read it"
+        )
         return found
     found["missing"] = None if _on_disk(wanted, data_dir) else "--no-download forbids fetching it"
     if found["missing"] and download and name != "auto":
         try:
             os.makedirs(data_dir, exist_ok=True)
             with open(os.path.join(data_dir, ".download-lock"), "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
-                found["missing"] = _download(wanted, data_dir)  # None if another process got there first
+                fcntl.flock(
+                    lock, fcntl.LOCK_EX
+                )  # released when the file closes, also when this process dies
+                found["missing"] = _download(
+                    wanted, data_dir
+                )  # None if another process got there first
         except OSError as error:
             found["missing"] = f"{data_dir} cannot be written ({error.strerror or error})"
     if found["missing"] is None:
@@ -86,8 +130,10 @@ def find(name, data_dir, download=True):
             found["splits"] = [_read(wanted, data_dir, train) for train in (True, False)]
             (train_images, _), (test_images, _) = found["splits"]
             if train_images.shape[1:] != test_images.shape[1:]:
-                raise DataError(f"{wanted} in {found['data_dir']} has training images of shape "
-                                f"{tuple(train_images.shape[1:])} but test images of {tuple(test_images.shape[1:])}")
+                raise DataError(
+                    f"{wanted} in {found['data_dir']} has training images of shape "
+                    f"{tuple(train_images.shape[1:])} but test images of {tuple(test_images.shape[1:])}"
+                )
         except DataError as error:
             found["broken"], found["splits"] = str(error), None
     return found
@@ -109,7 +155,10 @@ def load(found, device, dtype=torch.float32, workers=0, log=print, block_size=No
         block_size = block_size or shakespeare.BLOCK_SIZE
         return resolved, *shakespeare.datasets(found["splits"], device, block_size)
     if resolved == "synthetic":
-        (train_x, train_y), (test_x, test_y) = synthetic_digits(60_000, seed=0), synthetic_digits(10_000, seed=1)
+        (train_x, train_y), (test_x, test_y) = (
+            synthetic_digits(60_000, seed=0),
+            synthetic_digits(10_000, seed=1),
+        )
     else:
         (train_x, train_y), (test_x, test_y) = found["splits"]
     device = torch.device("cpu") if workers else device
@@ -119,7 +168,10 @@ def load(found, device, dtype=torch.float32, workers=0, log=print, block_size=No
     mean, std = pixels.mean(dim=1), pixels.std(dim=1)
     scale = (1 / (255 * std)).view(1, -1, 1, 1).to(dtype)
     shift = (-mean / std).view(1, -1, 1, 1).to(dtype)
-    splits = [TensorDataset(x * scale + shift, y.to(device)) for x, y in ((train_x, train_y), (test_x, test_y))]
+    splits = [
+        TensorDataset(x * scale + shift, y.to(device))
+        for x, y in ((train_x, train_y), (test_x, test_y))
+    ]
     return resolved, *splits
 
 
@@ -128,10 +180,17 @@ def _find_text(data_dir):
     from models import shakespeare  # here, not above: it imports this module
 
     if data_dir is not None:  # never read: say so, rather than train on other text than asked
-        raise DataError(f"--data-dir {data_dir} is not read with --dataset shakespeare, which "
-                        f"trains on the text in {shakespeare.FOLDER}: leave --data-dir out")
-    found = {"name": "shakespeare", "data_dir": shakespeare.FOLDER, "missing": None, "broken": None,
-             "node": f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"}
+        raise DataError(
+            f"--data-dir {data_dir} is not read with --dataset shakespeare, which "
+            f"trains on the text in {shakespeare.FOLDER}: leave --data-dir out"
+        )
+    found = {
+        "name": "shakespeare",
+        "data_dir": shakespeare.FOLDER,
+        "missing": None,
+        "broken": None,
+        "node": f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})",
+    }
     try:
         found["splits"] = shakespeare.split(shakespeare.read())
     except DataError as error:  # every rank hears it through load's agreement, naming the node
@@ -140,7 +199,12 @@ def _find_text(data_dir):
 
 
 _TORCHVISION = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "cifar10": "CIFAR10"}
-_IDX = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+_IDX = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
 _FILES = {
     "mnist": f"MNIST/raw/ ({', '.join(_IDX)})",
     "fashion-mnist": f"FashionMNIST/raw/ ({', '.join(_IDX)})",
@@ -152,7 +216,9 @@ def _agree(name, answers, log):
     """The dataset every rank uses, from every rank's answer; a DataError when a node lacks the files."""
     if name == "synthetic":
         return "synthetic"
-    nodes = list({answer["node"]: answer for answer in answers}.values())  # one answer per node and directory
+    nodes = list(
+        {answer["node"]: answer for answer in answers}.values()
+    )  # one answer per node and directory
     several = len({answer["node"] for answer in answers}) > 1
     broken = [node for node in nodes if node["broken"]]
     if broken:  # files that are there but wrong are an error: never silently replaced
@@ -165,12 +231,16 @@ def _agree(name, answers, log):
     where = f"{first['data_dir']} on {first['node']}" if several else first["data_dir"]
     others = f" (and on {len(lacking) - 1} more node(s))" if len(lacking) > 1 else ""
     if name == "auto":  # the repository's own copy is gone
-        raise DataError(f"the MNIST files that ship with this project are not in {where}{others}: restore them "
-                        "(git checkout models/mnist), or pick --dataset mnist --data-dir DIR with your own copy")
+        raise DataError(
+            f"the MNIST files that ship with this project are not in {where}{others}: restore them "
+            "(git checkout models/mnist), or pick --dataset mnist --data-dir DIR with your own copy"
+        )
     files = os.path.join(first["data_dir"], _FILES[wanted])
     shared = " on every node (or on storage all nodes share)" if several else ""
-    raise DataError(f"{wanted} is not in {where}{others} and {first['missing']}: put the files in {files}{shared}, "
-                    "or pick --dataset synthetic")
+    raise DataError(
+        f"{wanted} is not in {where}{others} and {first['missing']}: put the files in {files}{shared}, "
+        "or pick --dataset synthetic"
+    )
 
 
 def _on_disk(name, data_dir):
@@ -182,7 +252,9 @@ def _on_disk(name, data_dir):
             return True
         except RuntimeError:
             return False
-    return all(os.path.isfile(path) or os.path.isfile(path + ".gz") for path in _idx_paths(name, data_dir))
+    return all(
+        os.path.isfile(path) or os.path.isfile(path + ".gz") for path in _idx_paths(name, data_dir)
+    )
 
 
 def _idx_paths(name, data_dir):
@@ -200,12 +272,18 @@ def _download(name, data_dir):
     import torchvision
 
     previous_timeout = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_SECONDS)  # an unreachable mirror fails in seconds, not minutes
+    socket.setdefaulttimeout(
+        DOWNLOAD_TIMEOUT_SECONDS
+    )  # an unreachable mirror fails in seconds, not minutes
     try:
         getattr(torchvision.datasets, _TORCHVISION[name])(data_dir, train=True, download=True)
         return None
-    except Exception as error:  # torchvision raises RuntimeError or URLError, depending on the dataset
-        reason = " ".join(str(error).split()) or type(error).__name__  # torchvision's message spans lines
+    except (
+        Exception
+    ) as error:  # torchvision raises RuntimeError or URLError, depending on the dataset
+        reason = (
+            " ".join(str(error).split()) or type(error).__name__
+        )  # torchvision's message spans lines
         return f"the download failed ({textwrap.shorten(reason, 160, placeholder=' ...')})"
     finally:
         socket.setdefaulttimeout(previous_timeout)
@@ -221,20 +299,26 @@ def _read(name, data_dir, train):
         return images.contiguous(), torch.as_tensor(dataset.targets, dtype=torch.int64)
     # MNIST and Fashion-MNIST: read the IDX files directly (a header, then raw bytes), checking what
     # torchvision's reader does not: counts that match, labels in range, files of the right length.
-    images_path, labels_path = _idx_paths(name, data_dir)[0 if train else 2: 2 if train else 4]
+    images_path, labels_path = _idx_paths(name, data_dir)[0 if train else 2 : 2 if train else 4]
     images, labels = _read_idx(images_path, 3), _read_idx(labels_path, 1).long()
     if len(images) == 0:
         raise DataError(f"{images_path} holds no images")
     if len(labels) != len(images):
-        raise DataError(f"{labels_path} holds {len(labels)} labels for the {len(images)} images in {images_path}; "
-                        "the two files must match")
+        raise DataError(
+            f"{labels_path} holds {len(labels)} labels for the {len(images)} images in {images_path}; "
+            "the two files must match"
+        )
     if min(images.shape[1:]) < 4:
-        raise DataError(f"{images_path} holds {tuple(images.shape[1:])} images; BabyCNN needs at least 4x4")
+        raise DataError(
+            f"{images_path} holds {tuple(images.shape[1:])} images; BabyCNN needs at least 4x4"
+        )
     wrong = ((labels < 0) | (labels >= NUM_CLASSES)).nonzero()
     if len(wrong):
         index = int(wrong[0])
-        raise DataError(f"{labels_path} has label {int(labels[index])} at index {index}; "
-                        f"{name} labels are 0 to {NUM_CLASSES - 1}")
+        raise DataError(
+            f"{labels_path} has label {int(labels[index])} at index {index}; "
+            f"{name} labels are 0 to {NUM_CLASSES - 1}"
+        )
     return images.unsqueeze(1), labels
 
 
@@ -253,13 +337,17 @@ def _read_idx(path, dimensions):
         raise DataError(f"{path} cannot be read ({error.strerror or error})") from None
     header = 4 + 4 * dimensions
     if len(data) < header or data[:4] != bytes((0, 0, 0x08, dimensions)):
-        raise DataError(f"{path} is not an IDX file of {dimensions}-D uint8 data "
-                        f"(it starts with {data[:4].hex() or 'nothing'}, not 0000080{dimensions})")
+        raise DataError(
+            f"{path} is not an IDX file of {dimensions}-D uint8 data "
+            f"(it starts with {data[:4].hex() or 'nothing'}, not 0000080{dimensions})"
+        )
     shape = struct.unpack(f">{dimensions}I", data[4:header])
     expected = header + math.prod(shape)
     if len(data) != expected:
         state = "is truncated" if len(data) < expected else "is longer than its header says"
-        raise DataError(f"{path} {state}: shape {shape} needs {expected:,} bytes, the file has {len(data):,}")
+        raise DataError(
+            f"{path} {state}: shape {shape} needs {expected:,} bytes, the file has {len(data):,}"
+        )
     if expected == header:  # no items at all: frombuffer refuses an empty buffer
         return torch.empty(shape, dtype=torch.uint8)
     return torch.frombuffer(bytearray(data[header:]), dtype=torch.uint8).view(shape)
@@ -287,7 +375,9 @@ _FONT = {
 def _glyph_templates(upscale=4):
     """(10, 1, 7*upscale, 5*upscale) soft glyphs: the bitmap enlarged, then blurred by shifted sums
     (not a convolution, so the result is bit-identical whatever the thread count)."""
-    bitmaps = torch.tensor([[[c == "#" for c in row] for row in _FONT[d]] for d in range(10)], dtype=torch.float64)
+    bitmaps = torch.tensor(
+        [[[c == "#" for c in row] for row in _FONT[d]] for d in range(10)], dtype=torch.float64
+    )
     big = bitmaps.repeat_interleave(upscale, 1).repeat_interleave(upscale, 2)
     padded = F.pad(big, (3, 3, 3, 3))
     h, w = big.shape[1:]
@@ -337,7 +427,13 @@ def synthetic_digits(count, seed, image_size=28):
         part = slice(start, min(start + chunk, count))
         n = part.stop - part.start
         grid = (pixels @ theta[part].float().transpose(1, 2)).view(n, image_size, image_size, 2)
-        ink = F.grid_sample(templates[labels[part]], grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+        ink = F.grid_sample(
+            templates[labels[part]],
+            grid,
+            mode="bilinear",
+            padding_mode="zeros",
+            align_corners=False,
+        )
         t = threshold[part].float().view(-1, 1, 1, 1)
         ink = ((ink - t) / (1 - t)).clamp(0, 1)
         ink = ink * (2 - ink)  # brighten the stroke's soft edge

@@ -45,8 +45,10 @@ class Embed(nn.Module):
 
     def forward(self, ids):
         if ids.shape[-1] > self.positions.num_embeddings:  # else an index error deep inside
-            raise ValueError(f"{ids.shape[-1]} tokens, but the GPT's context (block_size) is "
-                             f"{self.positions.num_embeddings}")
+            raise ValueError(
+                f"{ids.shape[-1]} tokens, but the GPT's context (block_size) is "
+                f"{self.positions.num_embeddings}"
+            )
         positions = torch.arange(ids.shape[-1], device=ids.device)
         return self.dropout(self.tokens(ids) + self.positions(positions))
 
@@ -65,8 +67,10 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x):
         batch, time = x.shape[:2]
         # (B, T, heads x head_dim) -> (B, heads, T, head_dim); -1: a tensor-parallel rank's heads
-        q, k, v = (linear(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
-                   for linear in (self.query, self.key, self.value))
+        q, k, v = (
+            linear(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
+            for linear in (self.query, self.key, self.value)
+        )
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, time, -1)))
@@ -120,16 +124,33 @@ class GPT(nn.Module):
     the residual projections' scaled by 1 / sqrt(2 n_layer) (each block adds two of them to the
     residual stream, which would otherwise grow with depth), zero biases, LayerNorms at (1, 0)."""
 
-    def __init__(self, vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128, dropout=0.0,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        vocab_size=65,
+        block_size=64,
+        n_layer=4,
+        n_head=4,
+        n_embd=128,
+        dropout=0.0,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         sizes = (vocab_size, block_size, n_layer, n_head)
         if min(sizes) < 1 or n_embd % n_head or not 0 <= dropout < 1:
-            raise ValueError(f"the GPT needs positive sizes, n_embd a multiple of n_head and 0 <= "
-                             f"dropout < 1, got {vocab_size=} {block_size=} {n_layer=} {n_head=} "
-                             f"{n_embd=} {dropout=}")
-        self.config = {"vocab_size": vocab_size, "block_size": block_size, "n_layer": n_layer,
-                       "n_head": n_head, "n_embd": n_embd, "dropout": dropout}
+            raise ValueError(
+                f"the GPT needs positive sizes, n_embd a multiple of n_head and 0 <= "
+                f"dropout < 1, got {vocab_size=} {block_size=} {n_layer=} {n_head=} "
+                f"{n_embd=} {dropout=}"
+            )
+        self.config = {
+            "vocab_size": vocab_size,
+            "block_size": block_size,
+            "n_layer": n_layer,
+            "n_head": n_head,
+            "n_embd": n_embd,
+            "dropout": dropout,
+        }
         kw = {"device": device, "dtype": dtype}
         self.blocks = nn.Sequential(
             Embed(vocab_size, block_size, n_embd, dropout, **kw),

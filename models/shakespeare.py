@@ -41,8 +41,10 @@ def read(folder=FOLDER):
         raise DataError(f"{path} cannot be read ({error.strerror or error})") from None
     digest = hashlib.sha256(raw).hexdigest()
     if (len(raw), digest) != (SIZE, SHA256):  # an edited or cut copy would train another model
-        raise DataError(f"{path} is not the original Tiny Shakespeare: {len(raw):,} bytes of "
-                        f"SHA-256 {digest[:16]}..., not {SIZE:,} of {SHA256[:16]}...: {RESTORE}")
+        raise DataError(
+            f"{path} is not the original Tiny Shakespeare: {len(raw):,} bytes of "
+            f"SHA-256 {digest[:16]}..., not {SIZE:,} of {SHA256[:16]}...: {RESTORE}"
+        )
     return raw.decode("ascii")  # the original is ASCII: one byte, one character
 
 

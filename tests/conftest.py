@@ -36,29 +36,46 @@ import torch.distributed as dist  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from models import BabyCNN  # noqa: E402
-from models import data  # noqa: E402
+from models import BabyCNN, data  # noqa: E402
 
 TIMEOUT = 240  # seconds for one launch; a healthy one takes 5 to 40 here
 
 
 # pytest-xdist hands out whole files (--dist loadfile, pytest.ini) in the order they were collected: the longest go
 # first (by --durations, in seconds of launches), so that none starts last while the other worker has nothing left.
-LONGEST_FIRST = ["test_checkpoint.py", "test_faults.py", "test_launch.py", "test_pippy.py", "test_bad_input.py", "test_fsdp.py",
-                 "test_cluster.py", "test_ddp.py", "test_hardening.py", "test_progress.py"]
+LONGEST_FIRST = [
+    "test_checkpoint.py",
+    "test_faults.py",
+    "test_launch.py",
+    "test_pippy.py",
+    "test_bad_input.py",
+    "test_fsdp.py",
+    "test_cluster.py",
+    "test_ddp.py",
+    "test_hardening.py",
+    "test_progress.py",
+]
 
 
 def pytest_collection_modifyitems(items):
     last = len(LONGEST_FIRST)  # the other files keep their order, after these
-    items.sort(key=lambda item: LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST else last)
+    items.sort(
+        key=lambda item: (
+            LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST else last
+        )
+    )
 
 
 def child_env(**extra):
     env = dict(os.environ)
-    env.pop("RANK", None)  # a test may itself run under a launcher; the children must not inherit it
+    env.pop(
+        "RANK", None
+    )  # a test may itself run under a launcher; the children must not inherit it
     # The suite runs on CPUs with gloo on every machine, a GPU node included (tests/test_gpu.py is
     # the GPU suite): hidden GPUs make --device auto pick the CPU.
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    env.update(
+        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES=""
+    )
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -137,8 +154,12 @@ class Fork:
     def __init__(self, args, env, cwd):
         assert not dist.is_initialized()  # a process group would be the fork's too
         read, write = os.pipe()
-        with warnings.catch_warnings():  # Python 3.12's: this process has threads (Run's readers), which the fork
-            warnings.simplefilter("ignore", DeprecationWarning)  # leaves behind, and none of whose locks it takes
+        with (
+            warnings.catch_warnings()
+        ):  # Python 3.12's: this process has threads (Run's readers), which the fork
+            warnings.simplefilter(
+                "ignore", DeprecationWarning
+            )  # leaves behind, and none of whose locks it takes
             self.pid, self.returncode = os.fork(), None
         if self.pid == 0:
             os.close(read)
@@ -154,14 +175,26 @@ class Fork:
             os.setsid()  # not in pytest's process group: a Ctrl-C reaches pytest only
             for fd in (1, 2):
                 os.dup2(write, fd)
-            sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True)
-                                      for fd in (1, 2))
+            sys.stdout, sys.stderr = (
+                io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True)
+                for fd in (1, 2)
+            )
             faulthandler.disable()
             for number in set(signal.Signals) - {signal.SIGKILL, signal.SIGSTOP}:
-                if callable(signal.getsignal(number)) and signal.getsignal(number) is not signal.default_int_handler:
-                    signal.signal(number, signal.SIG_DFL)  # as exec leaves them (ignored ones stay ignored)
+                if (
+                    callable(signal.getsignal(number))
+                    and signal.getsignal(number) is not signal.default_int_handler
+                ):
+                    signal.signal(
+                        number, signal.SIG_DFL
+                    )  # as exec leaves them (ignored ones stay ignored)
             warnings.resetwarnings()  # then the interpreter's default filters, as `python` starts with
-            for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning, DeprecationWarning):
+            for category in (
+                ResourceWarning,
+                ImportWarning,
+                PendingDeprecationWarning,
+                DeprecationWarning,
+            ):
                 warnings.simplefilter("ignore", category)
             warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
             warnings.showwarning = _print_warning
@@ -171,7 +204,9 @@ class Fork:
             os.environ.clear()
             os.environ.update(env)
             os.chdir(cwd)
-            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # a new interpreter reads it at torch's import
+            torch.set_num_threads(
+                int(env["OMP_NUM_THREADS"])
+            )  # a new interpreter reads it at torch's import
             try:
                 if args[1] == "-m":
                     sys.argv = [args[2], *args[3:]]
@@ -223,7 +258,14 @@ def forks(env):
 def torchrun(script, nproc, *args, env=None):
     """Start ``torchrun --standalone --nproc-per-node=nproc script args`` (not waited for): torchrun's agent in a fork
     where it may be one (forks), its workers new processes."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", ROOT / script]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        ROOT / script,
+    ]
     return Run(command + list(args), env=env, fork=forks(env))
 
 
@@ -244,7 +286,9 @@ def launch(script, processes, *args, env=None):
 def run_sh(script, processes, *args, env=None):
     """Start ``NPROC_PER_NODE=processes bash run_ddp.sh args`` (run_fsdp.sh, run_pippy.sh: the script's own)."""
     env = with_this_pythons_torchrun({**(env or child_env()), "NPROC_PER_NODE": str(processes)})
-    return Run(["bash", ROOT / script.replace("train_", "run_").replace(".py", ".sh"), *args], env=env)
+    return Run(
+        ["bash", ROOT / script.replace("train_", "run_").replace(".py", ".sh"), *args], env=env
+    )
 
 
 def succeeded(run):
@@ -261,7 +305,9 @@ def free_port():
 
 def _write_idx(path, tensor):
     """IDX format as MNIST ships it: magic (0, 0, 0x08 = uint8, ndim), big-endian dims, raw bytes."""
-    header = struct.pack(">BBBB", 0, 0, 0x08, tensor.dim()) + struct.pack(f">{tensor.dim()}I", *tensor.shape)
+    header = struct.pack(">BBBB", 0, 0, 0x08, tensor.dim()) + struct.pack(
+        f">{tensor.dim()}I", *tensor.shape
+    )
     path.write_bytes(header + tensor.to(torch.uint8).contiguous().numpy().tobytes())
 
 
@@ -273,7 +319,10 @@ def mnist_dir(tmp_path_factory):
     raw = root / "MNIST" / "raw"
     raw.mkdir(parents=True)
     (train_x, train_y), (test_x, test_y) = data.find("auto", None, download=False)["splits"]
-    for prefix, images, labels, count in (("train", train_x, train_y, 640), ("t10k", test_x, test_y, 300)):
+    for prefix, images, labels, count in (
+        ("train", train_x, train_y, 640),
+        ("t10k", test_x, test_y, 300),
+    ):
         _write_idx(raw / f"{prefix}-images-idx3-ubyte", images[:count, 0])
         _write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels[:count])
     return root
@@ -288,8 +337,22 @@ def mnist_dir(tmp_path_factory):
 # 2 steps, 3e-4 after 3, 8e-4 after 6 with ATEN_CPU_CAPABILITY=default). Which CPU, kernel and seed
 # flips is chance. In float64 the order leaves ~1e-16, no flip is in reach, and 24 steps stay far from
 # chaos, so the tolerance can be tight and the same on every machine.
-EQUIVALENCE = ["--precision", "fp64", "--optimizer", "sgd", "--lr", "0.01", "--warmup-steps", "5", "--max-steps", "24",
-               "--log-every", "8", "--max-grad-norm", "1"]
+EQUIVALENCE = [
+    "--precision",
+    "fp64",
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "0.01",
+    "--warmup-steps",
+    "5",
+    "--max-steps",
+    "24",
+    "--log-every",
+    "8",
+    "--max-grad-norm",
+    "1",
+]
 # Relative to how far training moved the weights: equivalent runs end ~1e-14 apart, a real mistake
 # (one rank's half-batch alone, the wrong gradient scale) 0.1 to 1 apart.
 TOLERANCE = 1e-9
@@ -304,7 +367,9 @@ def made_once(tmp_path_factory, name, make):
     """A directory that ``make(directory)`` fills once in a session, for every pytest-xdist worker: the first to ask
     makes it, under a file lock, while another waits for it instead of launching the same run."""
     root = tmp_path_factory.getbasetemp()
-    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the workers' common directory
+    root = (
+        root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    )  # the workers' common directory
     directory = root / name
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if make fails
@@ -319,9 +384,23 @@ def made_once(tmp_path_factory, name, make):
 @pytest.fixture(scope="session")
 def reference_run(mnist_dir, tmp_path_factory):
     """train_ddp.py, one process without torchrun, batch 32: what every equivalent run must reach."""
-    return made_once(tmp_path_factory, "reference", lambda directory: succeeded(python(
-        "train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "32",
-        "--save", directory / "reference.pt", "--metrics", directory / "reference.json")))
+    return made_once(
+        tmp_path_factory,
+        "reference",
+        lambda directory: succeeded(
+            python(
+                "train_ddp.py",
+                *mnist_args(mnist_dir),
+                *EQUIVALENCE,
+                "--batch-size",
+                "32",
+                "--save",
+                directory / "reference.pt",
+                "--metrics",
+                directory / "reference.json",
+            )
+        ),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -334,8 +413,21 @@ def reference(reference_run):
 def control(mnist_dir, tmp_path_factory):
     """The negative control: one process at batch 16, what one rank computes if nothing averages
     its gradients with the other rank's; every equivalence test checks it is far off."""
-    directory = made_once(tmp_path_factory, "control", lambda directory: succeeded(python(
-        "train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "16", "--save", directory / "half_batch.pt")))
+    directory = made_once(
+        tmp_path_factory,
+        "control",
+        lambda directory: succeeded(
+            python(
+                "train_ddp.py",
+                *mnist_args(mnist_dir),
+                *EQUIVALENCE,
+                "--batch-size",
+                "16",
+                "--save",
+                directory / "half_batch.pt",
+            )
+        ),
+    )
     return load_weights(directory / "half_batch.pt")
 
 
@@ -374,7 +466,9 @@ def assert_same_math(weights, reference, control):
     assert relative_difference(weights, reference) < TOLERANCE
 
 
-GLOO_START_UP = re.compile(r"\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :")
+GLOO_START_UP = re.compile(
+    r"\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :"
+)
 
 
 def our_lines(output):
@@ -383,7 +477,11 @@ def our_lines(output):
     which each rank writes a piece at a time, so that two ranks' pieces interleave anywhere: its words go, and then
     the lines left with nothing but numbers."""
     lines = GLOO_START_UP.sub("", output).splitlines()
-    return [line for line in lines if line.strip(" 0123456789") and not line.startswith("launch.sh: torchrun")]
+    return [
+        line
+        for line in lines
+        if line.strip(" 0123456789") and not line.startswith("launch.sh: torchrun")
+    ]
 
 
 def assert_one_line_error(run, message):
@@ -393,8 +491,11 @@ def assert_one_line_error(run, message):
     errors = [line for line in lines if line.startswith("error:")]
     assert run.returncode == 2 and len(errors) == 1 and lines[-1] == errors[0], run.output
     assert message in errors[0], errors[0]
-    assert not [line for line in lines if line.startswith(("Traceback", "[rank")) or re.match(r"[EWI]\d{4} ", line)], \
-        run.output
+    assert not [
+        line
+        for line in lines
+        if line.startswith(("Traceback", "[rank")) or re.match(r"[EWI]\d{4} ", line)
+    ], run.output
 
 
 def _parents():

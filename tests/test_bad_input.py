@@ -22,54 +22,144 @@ import sys
 
 import pytest
 import torch
-
 from conftest import (
-    ROOT, Run, _write_idx, assert_one_line_error, child_env, launcher_env, mnist_args, python, run_sh,
+    ROOT,
+    Run,
+    _write_idx,
+    assert_one_line_error,
+    child_env,
+    launcher_env,
+    mnist_args,
+    python,
+    run_sh,
 )
+
 from models import data
 from models.data import synthetic_digits
 from plumbing import core
 
 CASES = {
     # flags: the parser of each script
-    "zero-batch": ("train_ddp.py", 1, ["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+    "zero-batch": (
+        "train_ddp.py",
+        1,
+        ["--batch-size", "0"],
+        "argument --batch-size: must be at least 1, got 0",
+    ),
     # layouts and devices
-    "batch-over-shard": ("train_ddp.py", 2, [*mnist_args("{mnist}"), "--batch-size", "321"],
-                         "is more than the 320 samples each of the 2 ranks gets"),
+    "batch-over-shard": (
+        "train_ddp.py",
+        2,
+        [*mnist_args("{mnist}"), "--batch-size", "321"],
+        "is more than the 320 samples each of the 2 ranks gets",
+    ),
     # The suite hides the GPUs (conftest.child_env), so every rank finds none; on a GPU node the same check
     # stops, in one line per node, more processes than GPUs.
-    "cuda-without-gpus": ("train_ddp.py", 2, ["--device", "cuda"],
-                          "2 processes on this node need 2 GPUs, but torch sees 0"),
+    "cuda-without-gpus": (
+        "train_ddp.py",
+        2,
+        ["--device", "cuda"],
+        "2 processes on this node need 2 GPUs, but torch sees 0",
+    ),
     # output paths, checked at start-up
-    "unwritable-save": ("train_ddp.py", 1, [*mnist_args("{mnist}"), "--save", "{tmp}"], "--save {tmp}: cannot write there"),
-    "save-is-metrics": ("train_ddp.py", 1, [*mnist_args("{mnist}"), "--save", "{tmp}/run", "--metrics", "{tmp}/run"],
-                        "--save and --metrics are both {tmp}/run: the metrics would replace the weights"),
-    "save-names-a-directory": ("train_ddp.py", 1, [*mnist_args("{mnist}"), "--save", "{tmp}/new/"],
-                               "--save {tmp}/new/: cannot write there (it names a directory, not a file)"),
-    "checkpoint-dir-is-a-file": ("train_ddp.py", 1, [*mnist_args("{mnist}"), "--checkpoint-dir", "{tmp}/file"],
-                                 "--checkpoint-dir {tmp}/file: cannot write there (it is a file, not a directory)"),
+    "unwritable-save": (
+        "train_ddp.py",
+        1,
+        [*mnist_args("{mnist}"), "--save", "{tmp}"],
+        "--save {tmp}: cannot write there",
+    ),
+    "save-is-metrics": (
+        "train_ddp.py",
+        1,
+        [*mnist_args("{mnist}"), "--save", "{tmp}/run", "--metrics", "{tmp}/run"],
+        "--save and --metrics are both {tmp}/run: the metrics would replace the weights",
+    ),
+    "save-names-a-directory": (
+        "train_ddp.py",
+        1,
+        [*mnist_args("{mnist}"), "--save", "{tmp}/new/"],
+        "--save {tmp}/new/: cannot write there (it names a directory, not a file)",
+    ),
+    "checkpoint-dir-is-a-file": (
+        "train_ddp.py",
+        1,
+        [*mnist_args("{mnist}"), "--checkpoint-dir", "{tmp}/file"],
+        "--checkpoint-dir {tmp}/file: cannot write there (it is a file, not a directory)",
+    ),
     # data: missing, and damaged (the other damages: DAMAGED below)
-    "missing-mnist": ("train_ddp.py", 1, [*mnist_args("{tmp}/missing")], "put the files in {tmp}/missing/MNIST/raw/"),
-    "label-255": ("train_ddp.py", 1, [*mnist_args("{bad}/label-255")], "train-labels-idx1-ubyte has label 255 at index 0; "
-                  "mnist labels are 0 to 9"),
+    "missing-mnist": (
+        "train_ddp.py",
+        1,
+        [*mnist_args("{tmp}/missing")],
+        "put the files in {tmp}/missing/MNIST/raw/",
+    ),
+    "label-255": (
+        "train_ddp.py",
+        1,
+        [*mnist_args("{bad}/label-255")],
+        "train-labels-idx1-ubyte has label 255 at index 0; mnist labels are 0 to 9",
+    ),
     # training
-    "diverged": ("train_ddp.py", 1, [*mnist_args("{mnist}"), "--lr", "1e30", "--max-steps", "5", "--log-every", "1",
-                                     "--no-eval", "--save", "{tmp}/diverged.pt"], "training diverged; lower --lr"),
+    "diverged": (
+        "train_ddp.py",
+        1,
+        [
+            *mnist_args("{mnist}"),
+            "--lr",
+            "1e30",
+            "--max-steps",
+            "5",
+            "--log-every",
+            "1",
+            "--no-eval",
+            "--save",
+            "{tmp}/diverged.pt",
+        ],
+        "training diverged; lower --lr",
+    ),
 }
-RENDEZVOUS = ["batch-over-shard", "unwritable-save", "save-is-metrics", "save-names-a-directory",
-              "checkpoint-dir-is-a-file", "missing-mnist", "label-255", "diverged"]  # found after init_process_group
+RENDEZVOUS = [
+    "batch-over-shard",
+    "unwritable-save",
+    "save-is-metrics",
+    "save-names-a-directory",
+    "checkpoint-dir-is-a-file",
+    "missing-mnist",
+    "label-255",
+    "diverged",
+]  # found after init_process_group
 # Refused by the parser the three scripts share, as zero-batch is: (flags, the error).
 FLAGS = {
-    "unknown-dataset": (["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
-    "weight-decay-nan": (["--weight-decay", "nan"], "argument --weight-decay: must be at least 0, got nan"),
-    "weight-decay-negative": (["--weight-decay", "-1"], "argument --weight-decay: must be at least 0, got -1"),
-    "momentum-negative": (["--momentum", "-1"], "argument --momentum: must be at least 0 and below 1, got -1"),
+    "unknown-dataset": (
+        ["--dataset", "imagenet"],
+        "argument --dataset: invalid choice: 'imagenet'",
+    ),
+    "weight-decay-nan": (
+        ["--weight-decay", "nan"],
+        "argument --weight-decay: must be at least 0, got nan",
+    ),
+    "weight-decay-negative": (
+        ["--weight-decay", "-1"],
+        "argument --weight-decay: must be at least 0, got -1",
+    ),
+    "momentum-negative": (
+        ["--momentum", "-1"],
+        "argument --momentum: must be at least 0 and below 1, got -1",
+    ),
 }
 # Refused by the flags a script adds to the shared parser, before anything else its main() does, as zero-batch is by
 # train_ddp.py's: (module, flags, the error).
 SCRIPT_FLAGS = {
-    "replicate-degree-0": ("train_fsdp", ["--replicate-degree", "0"], "argument --replicate-degree: must be at least 1, got 0"),
-    "stages-per-rank-0": ("train_pippy", ["--stages-per-rank", "0"], "argument --stages-per-rank: must be at least 1, got 0"),
+    "replicate-degree-0": (
+        "train_fsdp",
+        ["--replicate-degree", "0"],
+        "argument --replicate-degree: must be at least 1, got 0",
+    ),
+    "stages-per-rank-0": (
+        "train_pippy",
+        ["--stages-per-rank", "0"],
+        "argument --stages-per-rank: must be at least 1, got 0",
+    ),
 }
 # Damaged files found by data.find, as label-255 is: the error.
 DAMAGED = {
@@ -82,7 +172,10 @@ DAMAGED = {
 
 def bad_mnist(root):
     """One MNIST directory per kind of damage, each otherwise valid (640 training, 300 test images)."""
-    (train_x, train_y), (test_x, test_y) = synthetic_digits(640, seed=10), synthetic_digits(300, seed=11)
+    (train_x, train_y), (test_x, test_y) = (
+        synthetic_digits(640, seed=10),
+        synthetic_digits(300, seed=11),
+    )
     damage = {
         "label-255": lambda files: files["train-labels-idx1-ubyte"].__setitem__(0, 255),
         "fewer-labels": lambda files: files.__setitem__("train-labels-idx1-ubyte", train_y[:-1]),
@@ -93,14 +186,20 @@ def bad_mnist(root):
     for name, change in damage.items():
         raw = root / name / "MNIST" / "raw"
         raw.mkdir(parents=True)
-        files = {"train-images-idx3-ubyte": train_x[:, 0], "train-labels-idx1-ubyte": train_y.clone(),
-                 "t10k-images-idx3-ubyte": test_x[:, 0], "t10k-labels-idx1-ubyte": test_y}
+        files = {
+            "train-images-idx3-ubyte": train_x[:, 0],
+            "train-labels-idx1-ubyte": train_y.clone(),
+            "t10k-images-idx3-ubyte": test_x[:, 0],
+            "t10k-labels-idx1-ubyte": test_y,
+        }
         if change:
             change(files)
         for file, tensor in files.items():
             _write_idx(raw / file, tensor)
     images = root / "random-bytes" / "MNIST" / "raw" / "train-images-idx3-ubyte"
-    noise = torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    noise = torch.randint(
+        0, 256, (4096,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8
+    )
     images.write_bytes(noise.numpy().tobytes())
     images = root / "truncated-images" / "MNIST" / "raw" / "train-images-idx3-ubyte"
     images.write_bytes(images.read_bytes()[:-1000])
@@ -118,8 +217,15 @@ def runs(mnist_dir, bad_data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad-input")
     (tmp / "file").write_text("not a directory")
     fill = {"tmp": str(tmp), "mnist": str(mnist_dir), "bad": str(bad_data)}
-    started = {case: run_sh(script, processes, *[str(a).format(**fill) for a in flags], env=child_env(MAX_RESTARTS=2))
-               for case, (script, processes, flags, _) in CASES.items()}
+    started = {
+        case: run_sh(
+            script,
+            processes,
+            *[str(a).format(**fill) for a in flags],
+            env=child_env(MAX_RESTARTS=2),
+        )
+        for case, (script, processes, flags, _) in CASES.items()
+    }
     return started, fill
 
 
@@ -128,8 +234,12 @@ def test_bad_input_is_one_line_from_rank_zero_and_not_retried(case, runs):
     started, fill = runs
     run = started[case].wait()
     assert_one_line_error(run, CASES[case][3].format(**fill))  # one line: said once, by one attempt
-    assert "Address already in use" not in run.output  # RENDEZVOUS: the line came after the process group
-    assert not os.path.exists(os.path.join(fill["tmp"], "diverged.pt"))  # a diverged run saves nothing
+    assert (
+        "Address already in use" not in run.output
+    )  # RENDEZVOUS: the line came after the process group
+    assert not os.path.exists(
+        os.path.join(fill["tmp"], "diverged.pt")
+    )  # a diverged run saves nothing
     assert not os.path.exists(os.path.join(fill["tmp"], "run"))
 
 
@@ -138,7 +248,9 @@ def test_a_bad_flag_is_refused_by_the_parser_the_scripts_share(case):
     flags, message = FLAGS[case]
     with pytest.raises(core.UsageError) as refused:
         core.parser("", data.add_arguments).parse_args(flags)
-    assert str(refused.value).startswith(message) and str(refused.value).endswith(" (see --help)"), refused.value
+    assert str(refused.value).startswith(message) and str(refused.value).endswith(
+        " (see --help)"
+    ), refused.value
 
 
 @pytest.mark.parametrize("case", SCRIPT_FLAGS)
@@ -147,7 +259,9 @@ def test_a_bad_flag_of_one_script_is_refused_by_its_parser(case, monkeypatch):
     monkeypatch.setattr(sys, "argv", [f"{module}.py", *flags])
     with pytest.raises(core.UsageError) as refused:
         importlib.import_module(module).main()
-    assert str(refused.value).startswith(message) and str(refused.value).endswith(" (see --help)"), refused.value
+    assert str(refused.value).startswith(message) and str(refused.value).endswith(
+        " (see --help)"
+    ), refused.value
 
 
 @pytest.mark.parametrize("case", DAMAGED)
@@ -158,8 +272,11 @@ def test_damaged_data_is_found_before_the_process_group(case, bad_data):
 
 def test_a_bad_input_without_torchrun_is_one_line(mnist_dir):
     run = python("train_ddp.py", *mnist_args(mnist_dir), "--batch-size", "641", fork=False).wait()
-    assert_one_line_error(run, "--batch-size 641 x --grad-accum 1 is more than the 640 samples each of the 1 ranks "
-                               "gets from mnist; make it smaller")
+    assert_one_line_error(
+        run,
+        "--batch-size 641 x --grad-accum 1 is more than the 640 samples each of the 1 ranks "
+        "gets from mnist; make it smaller",
+    )
 
 
 def test_help_prints_once_and_a_missing_script_is_one_line():
@@ -168,48 +285,101 @@ def test_help_prints_once_and_a_missing_script_is_one_line():
     run = Run(["bash", ROOT / "launch.sh", "train_nope.py"], env=launcher_env()).wait()
     assert run.returncode == 2 and run.output.splitlines() == [
         f"error: no training script {ROOT}/train_nope.py: use run_ddp.sh, run_fsdp.sh, run_pippy.sh or run_tp.sh "
-        "(or bash launch.sh train_ddp.py|train_fsdp.py|train_pippy.py|train_tp.py)"], run.output
-
+        "(or bash launch.sh train_ddp.py|train_fsdp.py|train_pippy.py|train_tp.py)"
+    ], run.output
 
 
 def with_full_disk(directory, command, before=":"):
     """Run ``command`` with a 300 kB file system of its own at ``directory`` (a user and mount namespace: no root
     needed), ``before`` run there first; what the directory holds at the end is listed in ``directory``.left."""
-    script = (f'mount -t tmpfs -o size=300k tmpfs "{directory}" && cd "{directory}" && {before} && "$@"; code=$?; '
-              f'find . -mindepth 1 | sort > "{directory}.left"; exit $code')
-    return Run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", script, "--", *map(str, command)],
-               env=launcher_env(NPROC_PER_NODE=2))
+    script = (
+        f'mount -t tmpfs -o size=300k tmpfs "{directory}" && cd "{directory}" && {before} && "$@"; code=$?; '
+        f'find . -mindepth 1 | sort > "{directory}.left"; exit $code'
+    )
+    return Run(
+        [
+            "unshare",
+            "--user",
+            "--map-root-user",
+            "--mount",
+            "bash",
+            "-c",
+            script,
+            "--",
+            *map(str, command),
+        ],
+        env=launcher_env(NPROC_PER_NODE=2),
+    )
 
 
 def bound_by_permissions(command, cwd=None):
     """Start ``command`` (2 processes) so that file permissions bind it: under root, in a user namespace of its own,
     where the real root's files are not its own and root's right to ignore permissions does not reach them."""
     command = [str(part) for part in command]
-    return Run(command if os.geteuid() else ["unshare", "--user", *command], cwd=cwd, env=launcher_env(NPROC_PER_NODE=2))
+    return Run(
+        command if os.geteuid() else ["unshare", "--user", *command],
+        cwd=cwd,
+        env=launcher_env(NPROC_PER_NODE=2),
+    )
 
 
 def test_a_full_disk_is_one_line_that_names_the_path_and_the_space(mnist_dir, tmp_path):
-    flags = [*mnist_args(mnist_dir), "--epochs", "4", "--max-steps", "20", "--no-eval", "--log-every", "10"]
+    flags = [
+        *mnist_args(mnist_dir),
+        "--epochs",
+        "4",
+        "--max-steps",
+        "20",
+        "--no-eval",
+        "--log-every",
+        "10",
+    ]
     for name in ("save", "checkpoint"):
         (tmp_path / name).mkdir()
     runs = {  # --save over an older file of that name, at the end; a checkpoint, at step 10
-        "save": with_full_disk(tmp_path / "save", ["bash", ROOT / "run_ddp.sh", *flags, "--save", "old.pt"],
-                               before="head -c 250000 /dev/zero > old.pt"),
-        "checkpoint": with_full_disk(tmp_path / "checkpoint", ["bash", ROOT / "run_ddp.sh", *flags, "--checkpoint-dir",
-                                                               "ck", "--checkpoint-every", "10"]),
+        "save": with_full_disk(
+            tmp_path / "save",
+            ["bash", ROOT / "run_ddp.sh", *flags, "--save", "old.pt"],
+            before="head -c 250000 /dev/zero > old.pt",
+        ),
+        "checkpoint": with_full_disk(
+            tmp_path / "checkpoint",
+            [
+                "bash",
+                ROOT / "run_ddp.sh",
+                *flags,
+                "--checkpoint-dir",
+                "ck",
+                "--checkpoint-every",
+                "10",
+            ],
+        ),
     }
     for name, run in runs.items():
         assert_one_line_error(run.wait(), "(the disk is full: ")
         output, left = run.output, (tmp_path / f"{name}.left").read_text()
         line = output.splitlines()[-1]
-        free, needed = map(float, re.search(r"([\d.]+) MB are free there, this needs at least ([\d.]+) MB", line).groups())
-        assert free < needed < 1, line  # BabyCNN's 43k parameters: 0.17 MB, with AdamW's state 0.5 MB
+        free, needed = map(
+            float,
+            re.search(
+                r"([\d.]+) MB are free there, this needs at least ([\d.]+) MB", line
+            ).groups(),
+        )
+        assert free < needed < 1, (
+            line
+        )  # BabyCNN's 43k parameters: 0.17 MB, with AdamW's state 0.5 MB
         if name == "save":
-            assert line.startswith("error: old.pt was not written (the disk is full: ") and left.split() == ["./old.pt"]
+            assert line.startswith(
+                "error: old.pt was not written (the disk is full: "
+            ) and left.split() == ["./old.pt"]
             assert "step 20/20" in output  # found at the end: training ran
         else:
-            assert line.startswith("error: checkpoint step-10 was not written to ck (the disk is full: ")
-            assert line.endswith("the ones saved before it are intact; fix that, and the same command resumes from them")
+            assert line.startswith(
+                "error: checkpoint step-10 was not written to ck (the disk is full: "
+            )
+            assert line.endswith(
+                "the ones saved before it are intact; fix that, and the same command resumes from them"
+            )
             assert left.split() == ["./ck"], left  # no .tmp-step-10 left behind
 
 
@@ -218,21 +388,41 @@ def test_a_data_directory_this_user_cannot_read_is_named_as_such(mnist_dir, tmp_
     (tmp_path / "data" / "MNIST" / "raw").chmod(0)
     run = bound_by_permissions(["bash", ROOT / "run_ddp.sh", *mnist_args(tmp_path / "data")])
     try:
-        assert_one_line_error(run.wait(), f"error: {tmp_path}/data/MNIST/raw cannot be read by this user (permission "
-                                          "denied): let it read it")
+        assert_one_line_error(
+            run.wait(),
+            f"error: {tmp_path}/data/MNIST/raw cannot be read by this user (permission "
+            "denied): let it read it",
+        )
     finally:
         (tmp_path / "data" / "MNIST" / "raw").chmod(0o755)
 
 
 def test_a_checkpoint_directory_made_read_only_mid_run_is_one_line(mnist_dir, tmp_path):
-    command = ["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), "--epochs", "50", "--log-every", "1", "--no-eval",
-               "--checkpoint-dir", "ck", "--checkpoint-every", "10"]
+    command = [
+        "bash",
+        ROOT / "run_ddp.sh",
+        *mnist_args(mnist_dir),
+        "--epochs",
+        "50",
+        "--log-every",
+        "1",
+        "--no-eval",
+        "--checkpoint-dir",
+        "ck",
+        "--checkpoint-every",
+        "10",
+    ]
     run = bound_by_permissions(command, cwd=tmp_path)
-    run.wait_for_text("step 3/")  # checked writable at the start; read-only before the first checkpoint, at step 10
+    run.wait_for_text(
+        "step 3/"
+    )  # checked writable at the start; read-only before the first checkpoint, at step 10
     (tmp_path / "ck").chmod(0o555)
     try:
-        assert_one_line_error(run.wait(), "error: checkpoint step-10 was not written to ck (Permission denied): the ones "
-                                          "saved before it are intact; fix that, and the same command resumes from them")
+        assert_one_line_error(
+            run.wait(),
+            "error: checkpoint step-10 was not written to ck (Permission denied): the ones "
+            "saved before it are intact; fix that, and the same command resumes from them",
+        )
         assert list((tmp_path / "ck").iterdir()) == []
     finally:
         (tmp_path / "ck").chmod(0o755)
@@ -244,13 +434,20 @@ def test_a_warmup_longer_than_half_the_run_is_refused_and_the_default_one_is_sho
     args = core.parser("test").parse_args(["--warmup-steps", "17"])
     with pytest.raises(core.UsageError) as refused:
         core.lr_schedule(args, 64, total_steps=32)
-    assert str(refused.value) == ("--warmup-steps 17 is more than half of this run's 32 steps: the lr would stay below "
-                                  "its peak 0.003 for most of the run; give at most 16")
-    args = core.parser("test").parse_args(["--warmup-steps", "1"])  # a one-step run: 0 is the only warmup it takes
+    assert str(refused.value) == (
+        "--warmup-steps 17 is more than half of this run's 32 steps: the lr would stay below "
+        "its peak 0.003 for most of the run; give at most 16"
+    )
+    args = core.parser("test").parse_args(
+        ["--warmup-steps", "1"]
+    )  # a one-step run: 0 is the only warmup it takes
     with pytest.raises(core.UsageError, match=r"1 steps: .*; give at most 0$"):
         core.lr_schedule(args, 64, total_steps=1)
     # The default: 100 steps, or a fifth of a shorter run; the lr reaches the peak when the warmup ends.
     default = core.parser("test").parse_args(["--lr-schedule", "constant"])
     for total_steps, warmup in ((32, 6), (499, 99), (5000, 100)):
         peak, warmup_steps, lr_at = core.lr_schedule(default, 64, total_steps)
-        assert warmup_steps == warmup and lr_at(warmup - 1) < peak == lr_at(warmup), (total_steps, warmup_steps)
+        assert warmup_steps == warmup and lr_at(warmup - 1) < peak == lr_at(warmup), (
+            total_steps,
+            warmup_steps,
+        )

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 import torch
+from conftest import ROOT, Run, child_env
 
 from benchmarks import compare
-from conftest import ROOT, Run, child_env
 
 COMPARE = ROOT / "benchmarks" / "compare.py"
 
@@ -24,63 +24,126 @@ COMPARE = ROOT / "benchmarks" / "compare.py"
 def test_quick_benchmark_reports_every_figure(tmp_path):
     scratch = tmp_path / "tmp"  # the benchmark's temporary directory, alone in its own
     scratch.mkdir()
-    run = Run([sys.executable, COMPARE, "--quick", "--out", tmp_path], env=child_env(TMPDIR=scratch)).wait(timeout=600)
+    run = Run(
+        [sys.executable, COMPARE, "--quick", "--out", tmp_path], env=child_env(TMPDIR=scratch)
+    ).wait(timeout=600)
     assert run.returncode == 0, run.output[-3000:]
     assert list(scratch.glob("bench-*")) == []  # the runs' metrics files went with it
     results = json.loads((tmp_path / "results.json").read_text())
     figures = [
-        results["overhead"]["ddp_1"], results["overhead"]["bare_loop"], results["overhead"]["ratio"],
-        results["data_path"]["device_loader_samples_per_second"], results["data_path"]["dataloader_samples_per_second"],
-        results["scaling"]["ddp"]["ddp_2"], results["scaling"]["fsdp"]["fsdp_2"], results["scaling"]["ceiling"]["two_bare_loops"],
+        results["overhead"]["ddp_1"],
+        results["overhead"]["bare_loop"],
+        results["overhead"]["ratio"],
+        results["data_path"]["device_loader_samples_per_second"],
+        results["data_path"]["dataloader_samples_per_second"],
+        results["scaling"]["ddp"]["ddp_2"],
+        results["scaling"]["fsdp"]["fsdp_2"],
+        results["scaling"]["ceiling"]["two_bare_loops"],
         results["scaling"]["tp"]["tp_2"],
-        *(results["scaling"][s][k] for s in ("ddp", "fsdp", "tp", "ceiling") for k in ("ratio", "ratio_min", "ratio_max")),
-        *(results["scaling"]["ddp_step"][k] for k in ("compute_ms", "wait_ms", "allreduce_ms", "idle_allreduce_ms", "idle_allreduce_one_float_ms")),
+        *(
+            results["scaling"][s][k]
+            for s in ("ddp", "fsdp", "tp", "ceiling")
+            for k in ("ratio", "ratio_min", "ratio_max")
+        ),
+        *(
+            results["scaling"]["ddp_step"][k]
+            for k in (
+                "compute_ms",
+                "wait_ms",
+                "allreduce_ms",
+                "idle_allreduce_ms",
+                "idle_allreduce_one_float_ms",
+            )
+        ),
         results["memory"]["ddp_state_bytes"],
-        *(row[k] for kind in ("fsdp", "tp") for row in results["memory"][kind].values()
-          for k in ("max_state_bytes", "ratio_to_ddp_over_n")),
-        *(row[k] for row in results["pipeline"]["rows"] for k in ("measured_step_seconds", "ideal_step_seconds", "ratio", "bubble_fraction")),
+        *(
+            row[k]
+            for kind in ("fsdp", "tp")
+            for row in results["memory"][kind].values()
+            for k in ("max_state_bytes", "ratio_to_ddp_over_n")
+        ),
+        *(
+            row[k]
+            for row in results["pipeline"]["rows"]
+            for k in ("measured_step_seconds", "ideal_step_seconds", "ratio", "bubble_fraction")
+        ),
     ]
     assert all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in figures), figures
-    assert sorted(results["memory"]["fsdp"]) == ["1", "2"] and sorted(results["memory"]["tp"]) == ["2"]
+    assert sorted(results["memory"]["fsdp"]) == ["1", "2"] and sorted(results["memory"]["tp"]) == [
+        "2"
+    ]
     assert {row["schedule"] for row in results["pipeline"]["rows"]} == {"gpipe", "1f1b"}
     # FSDP's shards are measured, not assumed: at N ranks each holds about 1/N of DDP's state.
     assert results["memory"]["fsdp"]["2"]["ratio_to_ddp_over_n"] < 1.1
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "results.png").stat().st_size > 10_000
-    assert run.output.count("| 5. pipeline") == 2 and "[1/" in run.output  # the table, and a progress line per run
+    assert (
+        run.output.count("| 5. pipeline") == 2 and "[1/" in run.output
+    )  # the table, and a progress line per run
 
 
 @pytest.mark.slow
 @pytest.mark.pages
 def test_host_overhead_reports_the_cost_of_a_step_and_of_the_start(tmp_path):
-    run = Run([sys.executable, ROOT / "benchmarks" / "host_overhead.py", "--steps", "200", "--repeats", "1",
-               "--out", tmp_path]).wait(timeout=600)
+    run = Run(
+        [
+            sys.executable,
+            ROOT / "benchmarks" / "host_overhead.py",
+            "--steps",
+            "200",
+            "--repeats",
+            "1",
+            "--out",
+            tmp_path,
+        ]
+    ).wait(timeout=600)
     assert run.returncode == 0, run.output[-3000:]
     results = json.loads((tmp_path / "host_overhead.json").read_text())
-    figures = [results[k] for k in ("bare_loop", "bare_loop_ddp", "train_ddp", "import_torch_seconds", "first_step_seconds")]
+    figures = [
+        results[k]
+        for k in (
+            "bare_loop",
+            "bare_loop_ddp",
+            "train_ddp",
+            "import_torch_seconds",
+            "first_step_seconds",
+        )
+    ]
     assert all(math.isfinite(v) and v > 0 for v in figures), figures
     assert list(tmp_path.glob(".host_overhead*")) == []  # its scratch metrics file went with it
     assert "| train_ddp.py, one process |" in run.output
 
 
 def test_figure_6_alone_without_a_gpu_is_one_line(tmp_path):
-    run = Run([sys.executable, COMPARE, "--only", "gpu", "--out", tmp_path]).wait()  # child_env hides any GPU
+    run = Run(
+        [sys.executable, COMPARE, "--only", "gpu", "--out", tmp_path]
+    ).wait()  # child_env hides any GPU
     assert run.returncode == 2
-    assert run.output.strip() == ("error: --only gpu measures figure 6 on GPUs, and torch sees none here "
-                                  "(torch.cuda.device_count() is 0)")
+    assert run.output.strip() == (
+        "error: --only gpu measures figure 6 on GPUs, and torch sees none here "
+        "(torch.cuda.device_count() is 0)"
+    )
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.skipif(torch.cuda.device_count() == 0, reason="no CUDA GPU visible to torch: figure 6 needs one")
+@pytest.mark.skipif(
+    torch.cuda.device_count() == 0, reason="no CUDA GPU visible to torch: figure 6 needs one"
+)
 def test_figure_6_alone_on_a_gpu(tmp_path):
     env = child_env()
-    env.pop("CUDA_VISIBLE_DEVICES")  # child_env hides the GPUs from the CPU suite; this run needs them
+    env.pop(
+        "CUDA_VISIBLE_DEVICES"
+    )  # child_env hides the GPUs from the CPU suite; this run needs them
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
-    run = Run([sys.executable, COMPARE, "--only", "gpu", "--quick", "--out", tmp_path], env=env).wait(timeout=600)
+    run = Run(
+        [sys.executable, COMPARE, "--only", "gpu", "--quick", "--out", tmp_path], env=env
+    ).wait(timeout=600)
     assert run.returncode == 0, run.output[-3000:]
     results = json.loads((tmp_path / "gpu.json").read_text())
-    assert "overhead" not in results and not (tmp_path / "results.json").exists()  # figures 1 to 5 did not run
+    assert (
+        "overhead" not in results and not (tmp_path / "results.json").exists()
+    )  # figures 1 to 5 did not run
     rows = results["gpu"]["rows"]
     assert len(rows) == 10 and all(row["samples_per_second"] > 0 for row in rows), rows
     assert "[10/10]" in run.output and "[11/" not in run.output
@@ -93,10 +156,15 @@ def test_a_failing_configuration_says_its_own_error_and_leaves_no_scratch_direct
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     # The first configuration, the bare loop, cannot make -1 batches: a Python traceback of its own.
-    run = Run([sys.executable, COMPARE, "--quick", "--steps", "-1", "--out", tmp_path / "out"],
-              env=child_env(TMPDIR=scratch)).wait()
+    run = Run(
+        [sys.executable, COMPARE, "--quick", "--steps", "-1", "--out", tmp_path / "out"],
+        env=child_env(TMPDIR=scratch),
+    ).wait()
     assert run.returncode == 1, run.output[-3000:]
-    assert "bare_loop.py --steps -1 --batch-size 64 failed:\nTraceback (most recent call last):" in run.output
+    assert (
+        "bare_loop.py --steps -1 --batch-size 64 failed:\nTraceback (most recent call last):"
+        in run.output
+    )
     assert "RuntimeError: Trying to create tensor with negative dimension -64" in run.output
     assert list(scratch.glob("bench-*")) == []
     assert not (tmp_path / "out" / "results.json").exists()
@@ -117,9 +185,21 @@ def failure_message(command):
 @pytest.mark.slow
 @pytest.mark.pages
 def test_a_failed_configuration_reports_the_scripts_error_line_not_torchruns_summary():
-    message = failure_message([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                               ROOT / "train_ddp.py", "--epochs", "0"])
-    assert "error: argument --epochs: must be at least 1, got 0 (see --help)" in message.splitlines()
+    message = failure_message(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            ROOT / "train_ddp.py",
+            "--epochs",
+            "0",
+        ]
+    )
+    assert (
+        "error: argument --epochs: must be at least 1, got 0 (see --help)" in message.splitlines()
+    )
     assert re.search(r"^torchrun: rank [01] failed first, exit code 2$", message, re.M), message
     assert not [text for text in TORCHRUN_SUMMARY if text in message], message
     assert "Traceback" not in message, message
@@ -144,7 +224,16 @@ except RuntimeError:
     sys.excepthook(*sys.exc_info())  # printed as an uncaught one would be, while this rank stays alive
     time.sleep(60)  # until torchrun, having seen rank 1 fail first, stops it
 """)
-    message = failure_message([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", worker])
+    message = failure_message(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            worker,
+        ]
+    )
     lines = message.splitlines()
     assert lines[1:] == [
         "[rank1]: Traceback (most recent call last):",
@@ -160,15 +249,32 @@ except RuntimeError:
 @pytest.mark.slow
 @pytest.mark.pages
 def test_watch_overhead_reports_both_runs_and_the_host_cost_and_the_plot_reads_the_csv(tmp_path):
-    run = Run([sys.executable, ROOT / "benchmarks" / "watch_overhead.py", "--pairs", "1", "--steps", "100"]).wait()
+    run = Run(
+        [
+            sys.executable,
+            ROOT / "benchmarks" / "watch_overhead.py",
+            "--pairs",
+            "1",
+            "--steps",
+            "100",
+        ]
+    ).wait()
     assert run.returncode == 0, run.output[-3000:]
     result = json.loads(run.output.strip().splitlines()[-1])
     rates, host = result["median_samples_per_second"], result["host_us_per_step"]
     assert rates["bar_and_log_dir"] > 0 and rates["neither"] > 0 and result["ratio"] > 0
-    assert host["bar_and_log_dir"] > host["neither"] > 0  # the bar and the rows cost something, measured apart
+    assert (
+        host["bar_and_log_dir"] > host["neither"] > 0
+    )  # the bar and the rows cost something, measured apart
     log = tmp_path / "log"
     log.mkdir()
-    (log / "metrics.csv").write_text("step,epoch,train_loss,lr,grad_norm,samples_per_second,test_loss,test_accuracy\n"
-                                     "10,1,2.0,0.001,,100.0,,\n20,1,1.0,0.002,,110.0,,\n20,1,,,,,0.9,0.7\n")
-    plot = Run([sys.executable, ROOT / "benchmarks" / "plot_log.py", log, tmp_path / "plot.png"]).wait()
-    assert plot.returncode == 0 and (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG", plot.output
+    (log / "metrics.csv").write_text(
+        "step,epoch,train_loss,lr,grad_norm,samples_per_second,test_loss,test_accuracy\n"
+        "10,1,2.0,0.001,,100.0,,\n20,1,1.0,0.002,,110.0,,\n20,1,,,,,0.9,0.7\n"
+    )
+    plot = Run(
+        [sys.executable, ROOT / "benchmarks" / "plot_log.py", log, tmp_path / "plot.png"]
+    ).wait()
+    assert plot.returncode == 0 and (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG", (
+        plot.output
+    )

@@ -10,16 +10,39 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import (
+    ROOT,
+    Run,
+    alive,
+    assert_one_line_error,
+    launch,
+    launcher_env,
+    load_weights,
+    max_difference,
+    mnist_args,
+    python,
+    succeeded,
+    torchrun,
+    wait_for,
+    worker_pids,
+)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import (
-    ROOT, Run, alive, assert_one_line_error, launch, launcher_env, load_weights, max_difference, mnist_args, python, succeeded,
-    torchrun, wait_for, worker_pids,
-)
-
 # 40 fp32 steps over 2 epochs (20 steps each at global batch 32), a checkpoint every 10 steps.
-LONG = ["--optimizer", "sgd", "--lr", "0.01", "--epochs", "5", "--max-steps", "40", "--log-every", "10",
-        "--checkpoint-every", "10"]
+LONG = [
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "0.01",
+    "--epochs",
+    "5",
+    "--max-steps",
+    "40",
+    "--log-every",
+    "10",
+    "--checkpoint-every",
+    "10",
+]
 SCRIPTS = {  # name: (launcher, script, flags)
     "ddp": ("run_ddp.sh", "train_ddp.py", ["--batch-size", "16"]),
     "fsdp": ("run_fsdp.sh", "train_fsdp.py", ["--batch-size", "16"]),
@@ -42,10 +65,25 @@ def uninterrupted(mnist_dir, tmp_path_factory):
         if name not in done:
             directory = tmp_path_factory.mktemp(f"uninterrupted-{name}")
             _, script, flags = SCRIPTS[name]
-            run = succeeded(torchrun(script, 2, *mnist_args(mnist_dir), *LONG, *flags, *RECOMPUTE.get(name, []),
-                                     "--checkpoint-dir", directory / "ck", "--save", directory / "final.pt",
-                                     "--log-dir", directory / "log"))
-            assert name != "fsdp" or "FSDP (full, activation checkpointing," in run.output, run.output
+            run = succeeded(
+                torchrun(
+                    script,
+                    2,
+                    *mnist_args(mnist_dir),
+                    *LONG,
+                    *flags,
+                    *RECOMPUTE.get(name, []),
+                    "--checkpoint-dir",
+                    directory / "ck",
+                    "--save",
+                    directory / "final.pt",
+                    "--log-dir",
+                    directory / "log",
+                )
+            )
+            assert name != "fsdp" or "FSDP (full, activation checkpointing," in run.output, (
+                run.output
+            )
             done[name] = directory
         return done[name]
 
@@ -59,11 +97,27 @@ def uninterrupted(mnist_dir, tmp_path_factory):
 KILLED = {"fsdp": (["--workers", "2"], "step-10"), "pippy": ([], "step-20"), "tp": ([], "step-20")}
 
 
-@pytest.mark.parametrize("name", ["fsdp", *(pytest.param(n, marks=pytest.mark.slow) for n in ("pippy", "tp"))])
-def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_interrupted(name, uninterrupted, mnist_dir, tmp_path):
+@pytest.mark.parametrize(
+    "name", ["fsdp", *(pytest.param(n, marks=pytest.mark.slow) for n in ("pippy", "tp"))]
+)
+def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_interrupted(
+    name, uninterrupted, mnist_dir, tmp_path
+):
     (launcher, _, flags), (more, step) = SCRIPTS[name], KILLED[name]
-    args = ["bash", ROOT / launcher, *mnist_args(mnist_dir), *LONG, *flags, *more,
-            "--checkpoint-dir", tmp_path / "ck", "--save", tmp_path / "final.pt", "--log-dir", tmp_path / "log"]
+    args = [
+        "bash",
+        ROOT / launcher,
+        *mnist_args(mnist_dir),
+        *LONG,
+        *flags,
+        *more,
+        "--checkpoint-dir",
+        tmp_path / "ck",
+        "--save",
+        tmp_path / "final.pt",
+        "--log-dir",
+        tmp_path / "log",
+    ]
     run = Run(args, env=launcher_env(NPROC_PER_NODE=2, MAX_RESTARTS=1))
     wait_for(tmp_path / "ck" / step, run)
     os.kill(worker_pids(run.process.pid)[1], signal.SIGKILL)  # rank 1 dies mid-run
@@ -71,9 +125,17 @@ def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_interrupted(nam
     resumed = [line for line in run.output.splitlines() if "resumed from" in line]
     assert resumed, run.output  # torchrun restarted the workers, which resumed
     assert name != "fsdp" or "/ck/step-20 " not in resumed[0], resumed  # mid-epoch: step 10 (or 30)
-    assert max_difference(load_weights(tmp_path / "final.pt"), load_weights(uninterrupted(name) / "final.pt")) == 0
+    assert (
+        max_difference(
+            load_weights(tmp_path / "final.pt"), load_weights(uninterrupted(name) / "final.pt")
+        )
+        == 0
+    )
     # --log-dir's rows go on where the checkpoint was: each logging step and evaluation once, with the same numbers
-    rows, never_stopped = (metrics_rows(directory / "log" / "metrics.csv") for directory in (tmp_path, uninterrupted(name)))
+    rows, never_stopped = (
+        metrics_rows(directory / "log" / "metrics.csv")
+        for directory in (tmp_path, uninterrupted(name))
+    )
     assert rows == never_stopped and any(row["test_loss"] for row in rows), rows
     steps = [int(row["step"]) for row in rows if row["train_loss"]]
     assert steps == sorted(set(steps)) and steps[-1] == 40, steps
@@ -81,21 +143,38 @@ def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_interrupted(nam
     events = EventAccumulator(str(tmp_path / "log"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train_loss")] == [
-        (int(row["step"]), pytest.approx(float(row["train_loss"]), rel=1e-6)) for row in rows if row["train_loss"]]
+        (int(row["step"]), pytest.approx(float(row["train_loss"]), rel=1e-6))
+        for row in rows
+        if row["train_loss"]
+    ]
 
 
 def metrics_rows(path):
     """metrics.csv's rows, less the samples per second (a clock's reading)."""
     with open(path, newline="") as file:
-        return [{k: v for k, v in row.items() if k != "samples_per_second"} for row in csv.DictReader(file)]
+        return [
+            {k: v for k, v in row.items() if k != "samples_per_second"}
+            for row in csv.DictReader(file)
+        ]
 
 
 def test_a_stopped_job_resumes_with_the_same_command(uninterrupted, mnist_dir, tmp_path):
-    args = [*mnist_args(mnist_dir), *LONG, "--batch-size", "16", "--checkpoint-dir", tmp_path / "ck", "--save", tmp_path / "final.pt"]
+    args = [
+        *mnist_args(mnist_dir),
+        *LONG,
+        "--batch-size",
+        "16",
+        "--checkpoint-dir",
+        tmp_path / "ck",
+        "--save",
+        tmp_path / "final.pt",
+    ]
     first = torchrun("train_ddp.py", 2, *args)
     wait_for(tmp_path / "ck" / "step-30", first)
     workers = list(worker_pids(first.process.pid).values())
-    os.kill(first.process.pid, signal.SIGKILL)  # torchrun alone, as the OOM killer or a scheduler's hard kill would
+    os.kill(
+        first.process.pid, signal.SIGKILL
+    )  # torchrun alone, as the OOM killer or a scheduler's hard kill would
     first.wait()
     # The workers die with their launcher instead of training on (orphans would finish in seconds, and save).
     deadline = time.monotonic() + 5
@@ -106,7 +185,12 @@ def test_a_stopped_job_resumes_with_the_same_command(uninterrupted, mnist_dir, t
     second = succeeded(torchrun("train_ddp.py", 2, *args))
     resumed = [line for line in second.output.splitlines() if "resumed from" in line]
     assert len(resumed) == 1 and "/ck/step-" in resumed[0]
-    assert max_difference(load_weights(tmp_path / "final.pt"), load_weights(uninterrupted("ddp") / "final.pt")) == 0
+    assert (
+        max_difference(
+            load_weights(tmp_path / "final.pt"), load_weights(uninterrupted("ddp") / "final.pt")
+        )
+        == 0
+    )
 
 
 def test_every_rank_saves_the_random_state_of_each_generator_it_uses(uninterrupted):
@@ -124,41 +208,105 @@ def copy_checkpoints(source, tmp_path):
     return target
 
 
-def test_ddp_checkpoint_resumes_on_one_process_past_an_interrupted_save(uninterrupted, mnist_dir, tmp_path):
+def test_ddp_checkpoint_resumes_on_one_process_past_an_interrupted_save(
+    uninterrupted, mnist_dir, tmp_path
+):
     checkpoints = copy_checkpoints(uninterrupted("ddp"), tmp_path)
     # What a crash in the middle of the next save leaves: a half-written temporary directory.
     partial = checkpoints / ".tmp-step-50"
     shutil.copytree(checkpoints / "step-40", partial)
     data_file = next(partial.glob("*.distcp"))
     data_file.write_bytes(data_file.read_bytes()[:100])
-    run = succeeded(python("train_ddp.py", *mnist_args(mnist_dir), *LONG, "--batch-size", "32",
-                           "--checkpoint-dir", checkpoints, "--save", tmp_path / "final.pt"))
+    run = succeeded(
+        python(
+            "train_ddp.py",
+            *mnist_args(mnist_dir),
+            *LONG,
+            "--batch-size",
+            "32",
+            "--checkpoint-dir",
+            checkpoints,
+            "--save",
+            tmp_path / "final.pt",
+        )
+    )
     assert f"resumed from {checkpoints}/step-40 (step 40" in run.output
     # 40 of 40 steps were done: the run only loads (world size 2 -> 1) and saves.
-    assert max_difference(load_weights(tmp_path / "final.pt"), load_weights(uninterrupted("ddp") / "final.pt")) == 0
+    assert (
+        max_difference(
+            load_weights(tmp_path / "final.pt"), load_weights(uninterrupted("ddp") / "final.pt")
+        )
+        == 0
+    )
 
 
-@pytest.mark.parametrize("saved, script, ranks, flags", [
-    pytest.param("fsdp", "train_fsdp.py", 4, ["--batch-size", "8"], id="fsdp-2-to-fsdp-4"),
-    pytest.param("fsdp", "train_ddp.py", 1, ["--batch-size", "32"], id="fsdp-to-ddp"),
-    # -m slow:
-    pytest.param("pippy", "train_ddp.py", 1, ["--batch-size", "32"], id="pipeline-to-ddp", marks=pytest.mark.slow),
-    pytest.param("pippy", "train_pippy.py", 2, ["--batch-size", "32", "--schedule", "looped-bfs"],
-                 id="pipeline-2-stages-to-4", marks=pytest.mark.slow),
-    pytest.param("ddp", "train_fsdp.py", 2, ["--batch-size", "16"], id="ddp-to-fsdp", marks=pytest.mark.slow),
-    pytest.param("tp", "train_ddp.py", 1, ["--batch-size", "32"], id="tp-to-ddp", marks=pytest.mark.slow),
-    pytest.param("ddp", "train_tp.py", 2, ["--batch-size", "32"], id="ddp-to-tp", marks=pytest.mark.slow),
-])
-def test_checkpoints_reshard_across_strategies(saved, script, ranks, flags, uninterrupted, mnist_dir, tmp_path):
+@pytest.mark.parametrize(
+    "saved, script, ranks, flags",
+    [
+        pytest.param("fsdp", "train_fsdp.py", 4, ["--batch-size", "8"], id="fsdp-2-to-fsdp-4"),
+        pytest.param("fsdp", "train_ddp.py", 1, ["--batch-size", "32"], id="fsdp-to-ddp"),
+        # -m slow:
+        pytest.param(
+            "pippy",
+            "train_ddp.py",
+            1,
+            ["--batch-size", "32"],
+            id="pipeline-to-ddp",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "pippy",
+            "train_pippy.py",
+            2,
+            ["--batch-size", "32", "--schedule", "looped-bfs"],
+            id="pipeline-2-stages-to-4",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "ddp",
+            "train_fsdp.py",
+            2,
+            ["--batch-size", "16"],
+            id="ddp-to-fsdp",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "tp", "train_ddp.py", 1, ["--batch-size", "32"], id="tp-to-ddp", marks=pytest.mark.slow
+        ),
+        pytest.param(
+            "ddp", "train_tp.py", 2, ["--batch-size", "32"], id="ddp-to-tp", marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_checkpoints_reshard_across_strategies(
+    saved, script, ranks, flags, uninterrupted, mnist_dir, tmp_path
+):
     # DCP stores each tensor under its parameter name: whoever wrote a part, any layout loads it.
     checkpoints = copy_checkpoints(uninterrupted(saved), tmp_path)
-    run = succeeded(launch(script, ranks, *mnist_args(mnist_dir), *LONG, *flags, "--checkpoint-dir", checkpoints,
-                           "--save", tmp_path / "final.pt", "--metrics", tmp_path / "metrics.json"))
+    run = succeeded(
+        launch(
+            script,
+            ranks,
+            *mnist_args(mnist_dir),
+            *LONG,
+            *flags,
+            "--checkpoint-dir",
+            checkpoints,
+            "--save",
+            tmp_path / "final.pt",
+            "--metrics",
+            tmp_path / "metrics.json",
+        )
+    )
     assert "resumed from" in run.output
     weights = load_weights(tmp_path / "final.pt")
     assert max_difference(weights, load_weights(uninterrupted(saved) / "final.pt")) == 0
-    if script == "train_fsdp.py" and ranks == 4:  # full sharding: each rank holds its rows of every parameter only
-        assert_each_rank_holds_its_rows(json.loads((tmp_path / "metrics.json").read_text()), weights)
+    if (
+        script == "train_fsdp.py" and ranks == 4
+    ):  # full sharding: each rank holds its rows of every parameter only
+        assert_each_rank_holds_its_rows(
+            json.loads((tmp_path / "metrics.json").read_text()), weights
+        )
 
 
 def assert_each_rank_holds_its_rows(metrics, weights):
@@ -170,15 +318,29 @@ def assert_each_rank_holds_its_rows(metrics, weights):
     for w in weights.values():
         for rank, part in enumerate(torch.arange(len(w)).chunk(ranks)):
             elements[rank] += len(part) * (w.numel() // len(w))
-    assert [r["state_bytes"] for r in metrics["ranks"]] == [8 * n for n in elements], (metrics["ranks"], elements)
+    assert [r["state_bytes"] for r in metrics["ranks"]] == [8 * n for n in elements], (
+        metrics["ranks"],
+        elements,
+    )
 
 
 def test_a_resharded_resume_continues_training(uninterrupted, mnist_dir, tmp_path):
     checkpoints = copy_checkpoints(uninterrupted("fsdp"), tmp_path)
     metrics_path = tmp_path / "metrics.json"
     longer = [a if a != "40" else "80" for a in LONG]  # 40 more steps (2 epochs) than were saved
-    run = succeeded(python("train_ddp.py", *mnist_args(mnist_dir), *longer, "--batch-size", "32",
-                             "--checkpoint-dir", checkpoints, "--metrics", metrics_path))
+    run = succeeded(
+        python(
+            "train_ddp.py",
+            *mnist_args(mnist_dir),
+            *longer,
+            "--batch-size",
+            "32",
+            "--checkpoint-dir",
+            checkpoints,
+            "--metrics",
+            metrics_path,
+        )
+    )
     assert "resumed from" in run.output
     metrics = json.loads(metrics_path.read_text())
     assert metrics["steps"] == 80 and metrics["loss_curve"][0][0] == 50  # counted on from step 40
@@ -187,41 +349,106 @@ def test_a_resharded_resume_continues_training(uninterrupted, mnist_dir, tmp_pat
     assert metrics["final_train_loss"] < 1.0 and metrics["test_accuracy"] > 0.5
 
 
-def test_resume_from_an_older_checkpoint_ends_as_the_uninterrupted_run(uninterrupted, mnist_dir, tmp_path):
+def test_resume_from_an_older_checkpoint_ends_as_the_uninterrupted_run(
+    uninterrupted, mnist_dir, tmp_path
+):
     checkpoints = copy_checkpoints(uninterrupted("ddp"), tmp_path)  # step-30 and step-40
-    run = succeeded(torchrun("train_ddp.py", 2, *mnist_args(mnist_dir), *LONG, "--batch-size", "16",
-                             "--checkpoint-dir", checkpoints, "--resume-from", checkpoints / "step-30",
-                             "--save", tmp_path / "final.pt"))
+    run = succeeded(
+        torchrun(
+            "train_ddp.py",
+            2,
+            *mnist_args(mnist_dir),
+            *LONG,
+            "--batch-size",
+            "16",
+            "--checkpoint-dir",
+            checkpoints,
+            "--resume-from",
+            checkpoints / "step-30",
+            "--save",
+            tmp_path / "final.pt",
+        )
+    )
     assert f"resumed from {checkpoints}/step-30 (step 30, epoch 2)" in run.output, run.output
-    assert max_difference(load_weights(tmp_path / "final.pt"), load_weights(uninterrupted("ddp") / "final.pt")) == 0
+    assert (
+        max_difference(
+            load_weights(tmp_path / "final.pt"), load_weights(uninterrupted("ddp") / "final.pt")
+        )
+        == 0
+    )
     # The newer step-40 moved aside, never resumed from again; this branch's own step-40 in its place
-    assert f"--resume-from {checkpoints}/step-30: the newer step-40 moved aside to abandoned-step-<N>" in run.output
+    assert (
+        f"--resume-from {checkpoints}/step-30: the newer step-40 moved aside to abandoned-step-<N>"
+        in run.output
+    )
     assert sorted(os.listdir(checkpoints)) == ["abandoned-step-40", "step-30", "step-40"]
     # The same command again (a requeued job keeps its flags): it goes on from its branch, not back to step 30
-    again = succeeded(torchrun("train_ddp.py", 2, *mnist_args(mnist_dir), *LONG, "--batch-size", "16",
-                               "--checkpoint-dir", checkpoints, "--resume-from", checkpoints / "step-30"))
-    assert f"was applied before: its branch goes on from {checkpoints}/step-40" in again.output, again.output
+    again = succeeded(
+        torchrun(
+            "train_ddp.py",
+            2,
+            *mnist_args(mnist_dir),
+            *LONG,
+            "--batch-size",
+            "16",
+            "--checkpoint-dir",
+            checkpoints,
+            "--resume-from",
+            checkpoints / "step-30",
+        )
+    )
+    assert f"was applied before: its branch goes on from {checkpoints}/step-40" in again.output, (
+        again.output
+    )
     assert f"resumed from {checkpoints}/step-40 (step 40," in again.output, again.output
 
 
-def test_a_damaged_checkpoint_is_set_aside_and_the_newest_intact_one_resumes(uninterrupted, mnist_dir, tmp_path):
+def test_a_damaged_checkpoint_is_set_aside_and_the_newest_intact_one_resumes(
+    uninterrupted, mnist_dir, tmp_path
+):
     checkpoints = copy_checkpoints(uninterrupted("ddp"), tmp_path)
     data_file = next((checkpoints / "step-40").glob("*.distcp"))
     damaged = bytearray(data_file.read_bytes())
-    damaged[2000:3024] = bytes(1024)  # 1 KiB overwritten in place, the size unchanged: DCP alone would load it
+    damaged[2000:3024] = bytes(
+        1024
+    )  # 1 KiB overwritten in place, the size unchanged: DCP alone would load it
     data_file.write_bytes(damaged)
     # 2 ranks (rank 0 checks the files); 2 x 24 is another global batch than the saved 32, mid-epoch.
-    run = succeeded(torchrun("train_ddp.py", 2, *mnist_args(mnist_dir), *LONG, "--batch-size", "24",
-                             "--checkpoint-dir", checkpoints, "--save", tmp_path / "final.pt"))
+    run = succeeded(
+        torchrun(
+            "train_ddp.py",
+            2,
+            *mnist_args(mnist_dir),
+            *LONG,
+            "--batch-size",
+            "24",
+            "--checkpoint-dir",
+            checkpoints,
+            "--save",
+            tmp_path / "final.pt",
+        )
+    )
     aside = checkpoints / "damaged-step-40"
-    assert (f"checkpoint {checkpoints}/step-40 is damaged ({data_file.name} does not match its SHA-256 in "
-            f"checkpoint.json): moved it to {aside}") in run.output
+    assert (
+        f"checkpoint {checkpoints}/step-40 is damaged ({data_file.name} does not match its SHA-256 in "
+        f"checkpoint.json): moved it to {aside}"
+    ) in run.output
     assert (aside / data_file.name).read_bytes() == damaged  # set aside as it was, never deleted
     assert f"resumed from {checkpoints}/step-30 (step 30, epoch 2)" in run.output
     # step 30 ended sample 320 of epoch 2; at global batch 48 the steps start at 0, 48, ..., 288
-    assert "the global batch changed from 32 to 48: epoch 2 continues at sample 288, not 320, so 32 samples" in run.output
-    assert (checkpoints / "step-40" / "checkpoint.json").exists()  # trained on to step 40 and saved it again
-    assert max_difference(load_weights(tmp_path / "final.pt"), load_weights(uninterrupted("ddp") / "final.pt")) > 0
+    assert (
+        "the global batch changed from 32 to 48: epoch 2 continues at sample 288, not 320, so 32 samples"
+        in run.output
+    )
+    assert (
+        checkpoints / "step-40" / "checkpoint.json"
+    ).exists()  # trained on to step 40 and saved it again
+    assert (
+        max_difference(
+            load_weights(tmp_path / "final.pt"), load_weights(uninterrupted("ddp") / "final.pt")
+        )
+        > 0
+    )
 
 
 def test_bad_checkpoints_are_one_line_errors(uninterrupted, mnist_dir, tmp_path):
@@ -231,22 +458,44 @@ def test_bad_checkpoints_are_one_line_errors(uninterrupted, mnist_dir, tmp_path)
     (broken / "step-30" / "checkpoint.json").write_text("{not json")
     cases = [  # (processes, script, flags, message): started together, they fail while loading; one process
         # where the world size does not matter
-        (1, "train_ddp.py", ["--checkpoint-dir", broken],
-         f"no intact checkpoint in {broken}: step-40: .metadata: No such file or directory; step-30: checkpoint.json "
-         "is unreadable: Expecting property name"),
-        (1, "train_ddp.py", ["--checkpoint-dir", intact, "--width", "2"],
-         f"checkpoint {intact}/step-40 does not load into this run (Size mismatch between saved torch.Size([8, 1, 3, "
-         "3]) and current: torch.Size([16, 1, 3, 3]) for model.blocks.0.conv1.weight): another model's? use another "
-         "--checkpoint-dir"),
-        (1, "train_ddp.py", ["--checkpoint-dir", intact, "--dataset", "synthetic"],
-         "was saved with dataset mnist, this run has dataset synthetic"),
-        (1, "train_ddp.py", ["--checkpoint-dir", intact, "--resume-from", "step-20"],
-         f"--resume-from step-20 is not an intact checkpoint (checkpoint.json is unreadable: [Errno 2] "
-         f"No such file or directory: '{intact}/step-20/checkpoint.json')"),
+        (
+            1,
+            "train_ddp.py",
+            ["--checkpoint-dir", broken],
+            f"no intact checkpoint in {broken}: step-40: .metadata: No such file or directory; step-30: checkpoint.json "
+            "is unreadable: Expecting property name",
+        ),
+        (
+            1,
+            "train_ddp.py",
+            ["--checkpoint-dir", intact, "--width", "2"],
+            f"checkpoint {intact}/step-40 does not load into this run (Size mismatch between saved torch.Size([8, 1, 3, "
+            "3]) and current: torch.Size([16, 1, 3, 3]) for model.blocks.0.conv1.weight): another model's? use another "
+            "--checkpoint-dir",
+        ),
+        (
+            1,
+            "train_ddp.py",
+            ["--checkpoint-dir", intact, "--dataset", "synthetic"],
+            "was saved with dataset mnist, this run has dataset synthetic",
+        ),
+        (
+            1,
+            "train_ddp.py",
+            ["--checkpoint-dir", intact, "--resume-from", "step-20"],
+            f"--resume-from step-20 is not an intact checkpoint (checkpoint.json is unreadable: [Errno 2] "
+            f"No such file or directory: '{intact}/step-20/checkpoint.json')",
+        ),
     ]
-    runs = [launch(script, processes, *mnist_args(mnist_dir), *LONG, "--batch-size", "16", *flags)
-            for processes, script, flags, _ in cases]
+    runs = [
+        launch(script, processes, *mnist_args(mnist_dir), *LONG, "--batch-size", "16", *flags)
+        for processes, script, flags, _ in cases
+    ]
     for run, (processes, *_, message) in zip(runs, cases):
         assert_one_line_error(run.wait(), str(message))
-        assert processes > 1 or "Traceback" not in run.output  # (torchrun reports a failed worker with one)
-    assert (broken / "step-40").is_dir() and (broken / "step-30").is_dir()  # with none intact, nothing is moved
+        assert (
+            processes > 1 or "Traceback" not in run.output
+        )  # (torchrun reports a failed worker with one)
+    assert (broken / "step-40").is_dir() and (
+        broken / "step-30"
+    ).is_dir()  # with none intact, nothing is moved

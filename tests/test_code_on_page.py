@@ -12,11 +12,13 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ROOT, succeeded, torchrun
 from torch.utils.data.distributed import DistributedSampler
 
-from conftest import ROOT, succeeded, torchrun
-
-pytestmark = [pytest.mark.slow, pytest.mark.pages]  # the docs' code, as their exercises (pytest.ini)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.pages,
+]  # the docs' code, as their exercises (pytest.ini)
 
 
 def json_lines(output):
@@ -37,19 +39,27 @@ def test_the_dataloader_snippet_deals_disjoint_shards_that_cover_each_epoch():
     assert [entry["epoch"] for entry in epochs] == [0, 1]
     for entry in epochs:
         ranks = entry["indices"]
-        for rank, indices in enumerate(ranks):  # what a DistributedSampler alone deals this rank, in order
-            sampler = DistributedSampler(range(1001), num_replicas=2, rank=rank, shuffle=True, seed=0, drop_last=True)
+        for rank, indices in enumerate(
+            ranks
+        ):  # what a DistributedSampler alone deals this rank, in order
+            sampler = DistributedSampler(
+                range(1001), num_replicas=2, rank=rank, shuffle=True, seed=0, drop_last=True
+            )
             sampler.set_epoch(entry["epoch"])
             assert indices == list(sampler)
         assert len(ranks[0]) == len(ranks[1]) == 500 and not set(ranks[0]) & set(ranks[1])
-        assert len(set(ranks[0]) | set(ranks[1])) == 1000 and set(ranks[0]) | set(ranks[1]) <= set(range(1001))
+        assert len(set(ranks[0]) | set(ranks[1])) == 1000 and set(ranks[0]) | set(ranks[1]) <= set(
+            range(1001)
+        )
     assert epochs[0]["indices"][0] != epochs[1]["indices"][0]  # set_epoch: another shuffle
     # The sample drop_last leaves out of each epoch, as docs/batch.md says
     assert [set(range(1001)) - set(sum(entry["indices"], [])) for entry in epochs] == [{950}, {971}]
 
 
 def _snippet(name):
-    spec = importlib.util.spec_from_file_location(f"snippet_{name}", ROOT / "docs" / "snippets" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(
+        f"snippet_{name}", ROOT / "docs" / "snippets" / f"{name}.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -78,10 +88,16 @@ def test_join_lets_uneven_ranks_finish_and_averages_over_the_initial_world_size(
     ranks = json_lines(succeeded(torchrun("docs/snippets/join.py", 2)).output)[0]
     assert [entry["steps"] for entry in ranks] == [3, 4]
     weights = [torch.tensor(entry["weights"], dtype=torch.float64) for entry in ranks]
-    assert torch.equal(weights[0], weights[1])  # join() ends with the last rank's weights everywhere
+    assert torch.equal(
+        weights[0], weights[1]
+    )  # join() ends with the last rank's weights everywhere
     join = _snippet("join")
-    expected = _join_by_hand(join, lambda active: 2)  # divide_by_initial_world_size=True, the default
-    control = _join_by_hand(join, lambda active: active)  # dividing by the ranks still training instead
+    expected = _join_by_hand(
+        join, lambda active: 2
+    )  # divide_by_initial_world_size=True, the default
+    control = _join_by_hand(
+        join, lambda active: active
+    )  # dividing by the ranks still training instead
     assert (control - expected).abs().max() > 1e-2
     assert (weights[0] - expected).abs().max() < 1e-12
 
@@ -95,10 +111,14 @@ def test_grad_scaler_skips_overflowing_steps_and_halves_the_scale_on_every_rank(
             assert record["next_scale"] == record["scale"], record
         else:  # inf or NaN in a gradient: optimizer.step() skipped, the scale halved
             assert record["next_scale"] == record["scale"] / 2, record
-    assert records[0]["scale"] == 2.0**24 and not records[0]["stepped"]  # 2**24 overflows float16 at once
+    assert (
+        records[0]["scale"] == 2.0**24 and not records[0]["stepped"]
+    )  # 2**24 overflows float16 at once
     assert records[-1]["stepped"]
     # DDP all-reduced the scaled gradients, so an overflow anywhere was one everywhere: the ranks agree.
-    assert [(r["scale"], r["stepped"]) for r in ranks[1]["records"]] == [(r["scale"], r["stepped"]) for r in records]
+    assert [(r["scale"], r["stepped"]) for r in ranks[1]["records"]] == [
+        (r["scale"], r["stepped"]) for r in records
+    ]
     assert ranks[0]["weights"] == ranks[1]["weights"]
 
 
@@ -108,6 +128,8 @@ def test_without_join_the_uneven_ranks_wait_until_the_timeout(no_join):
     no_join.wait()
     assert no_join.returncode != 0, no_join.output[-3000:]
     # gloo's words: "Timed out waiting 10000ms for recv operation to complete" (or send)
-    assert any(re.match(r"\[rank[01]\]: RuntimeError: .*Timed out waiting 10000ms", line)
-               for line in no_join.output.splitlines()), no_join.output[-3000:]
+    assert any(
+        re.match(r"\[rank[01]\]: RuntimeError: .*Timed out waiting 10000ms", line)
+        for line in no_join.output.splitlines()
+    ), no_join.output[-3000:]
     assert not json_lines(no_join.output)

@@ -18,7 +18,6 @@ from fractions import Fraction
 
 import pytest
 import torch
-
 from conftest import ROOT, python, succeeded, torchrun
 
 COLLECTIVES_PAGE = ROOT / "docs" / "collectives.md"
@@ -31,8 +30,10 @@ COLLECTIVES = ["broadcast", "all_reduce", "reduce_scatter", "all_gather", "send_
 @pytest.fixture(scope="module")
 def runs():
     """The two snippets, launched at once (each spends most of its time importing torch): their outputs."""
-    started = {"snippet": torchrun("docs/snippets/allreduce_is_rs_ag.py", 2),
-               "tensor_parallel": torchrun("docs/snippets/tensor_parallel.py", 2)}
+    started = {
+        "snippet": torchrun("docs/snippets/allreduce_is_rs_ag.py", 2),
+        "tensor_parallel": torchrun("docs/snippets/tensor_parallel.py", 2),
+    }
     return {name: succeeded(run).output for name, run in started.items()}
 
 
@@ -46,7 +47,7 @@ def table(page, header_start):
     lines = page.read_text().splitlines()
     (first,) = [i for i, line in enumerate(lines) if line.startswith(header_start)]
     rows = []
-    for line in lines[first + 2:]:
+    for line in lines[first + 2 :]:
         if not line.startswith("|"):
             break
         rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
@@ -59,6 +60,7 @@ def number(text):
 
 # ---- the four collectives ----
 
+
 def test_the_four_collectives_leave_what_the_page_says(runs):
     ranks = json_line(runs["snippet"])
     world_size = len(ranks)
@@ -69,16 +71,17 @@ def test_the_four_collectives_leave_what_the_page_says(runs):
         assert got["rank"] == r and got["input"] == inputs[r]
         assert got["broadcast"] == inputs[0]
         assert got["all_reduce"] == total
-        assert got["reduce_scatter"] == total[2 * r:2 * r + 2]
+        assert got["reduce_scatter"] == total[2 * r : 2 * r + 2]
         assert got["reduce_scatter_then_all_gather"] == got["all_reduce"]
     # The control: gathering each rank's own slice, unreduced, is not the all-reduce.
-    assert [x for r in range(world_size) for x in inputs[r][2 * r:2 * r + 2]] != total
+    assert [x for r in range(world_size) for x in inputs[r][2 * r : 2 * r + 2]] != total
     shown = table(COLLECTIVES_PAGE, "| rank | input | broadcast")
     keys = ["input", "broadcast", "all_reduce", "reduce_scatter", "reduce_scatter_then_all_gather"]
     assert [[str(g["rank"]), *(" ".join(map(str, g[k])) for k in keys)] for g in ranks] == shown
 
 
 # ---- tensor parallelism ----
+
 
 def test_tensor_parallel_splits_the_layers_and_matches_one_process(runs):
     result = json_line(runs["tensor_parallel"])
@@ -91,7 +94,9 @@ def test_tensor_parallel_splits_the_layers_and_matches_one_process(runs):
     for rank in result["ranks"]:
         assert rank["parameters"] == split // t + replicated == 144
         assert rank["output_gap"] < 1e-12 and rank["gradient_gap"] < 1e-12
-        assert rank["partial_sum_gap"] > 1e-2  # the control, without the all-reduce: 1e10 x the tolerance
+        assert (
+            rank["partial_sum_gap"] > 1e-2
+        )  # the control, without the all-reduce: 1e10 x the tolerance
     text = " ".join(PARALLELISM_PAGE.read_text().split())
     assert "144 of the 280 parameters on each rank" in text
     assert "(280 − 8) / 2 + 8 = 144" in text
@@ -100,6 +105,7 @@ def test_tensor_parallel_splits_the_layers_and_matches_one_process(runs):
 
 
 # ---- the benchmark ----
+
 
 def check_report(report, world_sizes, largest):
     assert report["backend"] == "gloo" and report["dtype"] == "float32"
@@ -111,7 +117,10 @@ def check_report(report, world_sizes, largest):
         assert every[0] == 4 and every[-1] == largest and every == sorted(set(every)), every
         for name, fitted in entry["collectives"].items():
             sizes = [n for n, _ in fitted["points"]]
-            if name in ("reduce_scatter", "all_gather"):  # the tensor splits into W float32 slices: 4·W bytes at least
+            if name in (
+                "reduce_scatter",
+                "all_gather",
+            ):  # the tensor splits into W float32 slices: 4·W bytes at least
                 assert sizes == [n for n in every if n >= 4 * w], (name, sizes)
             else:
                 assert sizes == every, (name, sizes)
@@ -120,7 +129,12 @@ def check_report(report, world_sizes, largest):
             # Not β's sign: under load a small message can take as long as a large one (seen in CI).
             alpha, beta = page_rule(fitted["points"])
             assert math.isclose(fitted["alpha_s"], alpha, rel_tol=1e-9), (w, name, fitted, alpha)
-            assert math.isclose(fitted["beta_s_per_byte"], beta, rel_tol=1e-9), (w, name, fitted, beta)
+            assert math.isclose(fitted["beta_s_per_byte"], beta, rel_tol=1e-9), (
+                w,
+                name,
+                fitted,
+                beta,
+            )
             # The latency amortized: seconds per byte fall by orders of magnitude from the smallest message to
             # the largest (by 4 to 6 here; a failure needs the largest to cost 1e4 x the smallest's time).
             (n0, t0), (n1, t1) = fitted["points"][0], fitted["points"][-1]
@@ -132,7 +146,10 @@ def check_report(report, world_sizes, largest):
         assert math.isclose(model["beta_s_per_byte"], 2 * (w - 1) / w * link["beta_s_per_byte"])
 
 
-SMALL, LARGE = 64 << 10, 4 << 20  # the page's flat part (up to 64 KiB) and straight part (from 4 MiB)
+SMALL, LARGE = (
+    64 << 10,
+    4 << 20,
+)  # the page's flat part (up to 64 KiB) and straight part (from 4 MiB)
 
 
 def page_rule(points):
@@ -144,7 +161,9 @@ def page_rule(points):
 def weighted_fit(points):
     """The fit the page used before: least squares on the relative error, that is each residual weighted by 1/t."""
     rows = torch.tensor([[1 / t, n / t] for n, t in points], dtype=torch.float64)
-    solution = torch.linalg.lstsq(rows, torch.ones(len(points), 1, dtype=torch.float64)).solution.flatten()
+    solution = torch.linalg.lstsq(
+        rows, torch.ones(len(points), 1, dtype=torch.float64)
+    ).solution.flatten()
     return solution.tolist()
 
 
@@ -152,7 +171,10 @@ def off_its_points(points, alpha, beta):
     """Where the line α + n·β misses the points it was fitted to, unweighted and relative to the times: the median
     of (line − t) / t over the flat part and over the straight part, and α against the flat part's range."""
     misses = []
-    for part in ([(n, t) for n, t in points if n <= SMALL], [(n, t) for n, t in points if n >= LARGE]):
+    for part in (
+        [(n, t) for n, t in points if n <= SMALL],
+        [(n, t) for n, t in points if n >= LARGE],
+    ):
         median = statistics.median((alpha + n * beta - t) / t for n, t in part)
         if abs(median) > 0.25:
             misses.append(f"median miss {median:+.0%} over {part[0][0]}..{part[-1][0]} B")
@@ -168,8 +190,13 @@ def test_the_fitted_lines_sit_among_their_points():
     for entry in report["results"]:
         for name, fitted in entry["collectives"].items():
             where = (entry["world_size"], name)
-            assert off_its_points(fitted["points"], fitted["alpha_s"], fitted["beta_s_per_byte"]) == [], where
-            before += [(where, miss) for miss in off_its_points(fitted["points"], *weighted_fit(fitted["points"]))]
+            assert (
+                off_its_points(fitted["points"], fitted["alpha_s"], fitted["beta_s_per_byte"]) == []
+            ), where
+            before += [
+                (where, miss)
+                for miss in off_its_points(fitted["points"], *weighted_fit(fitted["points"]))
+            ]
     # The control: the 1/t²-weighted fit on the same points falls below the all-reduce's flat part on 4 ranks
     # (α 1.58 ms, points 4.4 to 5.4 ms from 64 B to 1 MiB): its odd 4-byte point (0.82 ms) drags the line down.
     assert [where for where, _ in before] == [(2, "all_reduce"), (4, "all_reduce")], before
@@ -193,16 +220,32 @@ def test_the_page_quotes_the_committed_curve():
     report = json.loads((ROOT / "benchmarks" / "results" / "collectives.json").read_text())
     check_report(report, [2, 4], 64 << 20)
     assert report["quick"] is False and "not measured" in report["nccl"]
-    shown = {row[0].split("](")[0].strip("[") if row[0].startswith("[") else row[0]: row[1:]
-             for row in table(MEASUREMENTS_PAGE, "| fitted t = α + n·β |")}
+    shown = {
+        row[0].split("](")[0].strip("[") if row[0].startswith("[") else row[0]: row[1:]
+        for row in table(MEASUREMENTS_PAGE, "| fitted t = α + n·β |")
+    }
     by_w = {entry["world_size"]: entry["collectives"] for entry in report["results"]}
     for name in COLLECTIVES:
-        expected = [cell for w in (2, 4) for cell in describe(by_w[w][name]["alpha_s"], by_w[w][name]["beta_s_per_byte"])]
+        expected = [
+            cell
+            for w in (2, 4)
+            for cell in describe(by_w[w][name]["alpha_s"], by_w[w][name]["beta_s_per_byte"])
+        ]
         assert shown[f"`{name}`"] == expected, name
-    ring = [cell for w in (2, 4) for cell in describe(by_w[w]["all_reduce"]["ring_model"]["alpha_s"],
-                                                     by_w[w]["all_reduce"]["ring_model"]["beta_s_per_byte"])]
+    ring = [
+        cell
+        for w in (2, 4)
+        for cell in describe(
+            by_w[w]["all_reduce"]["ring_model"]["alpha_s"],
+            by_w[w]["all_reduce"]["ring_model"]["beta_s_per_byte"],
+        )
+    ]
     assert shown["ring model from `send_recv`"] == ring
-    ratios = [f"{by_w[w]['all_reduce']['ring_model'][k]:.1f}" for w in (2, 4) for k in ("alpha_vs_fit", "beta_vs_fit")]
+    ratios = [
+        f"{by_w[w]['all_reduce']['ring_model'][k]:.1f}"
+        for w in (2, 4)
+        for k in ("alpha_vs_fit", "beta_vs_fit")
+    ]
     assert shown["`all_reduce` / ring model"] == [f"{r}×" for r in ratios]
     text = " ".join((COLLECTIVES_PAGE.read_text() + MEASUREMENTS_PAGE.read_text()).split())
     assert f"sharing a {report['machine']['cores']}-core CPU" in text
@@ -211,13 +254,17 @@ def test_the_page_quotes_the_committed_curve():
     grown = by_w[4]["all_reduce"]["alpha_s"] / by_w[2]["all_reduce"]["alpha_s"]
     cells = [describe(by_w[w]["all_reduce"]["alpha_s"], 1)[0] for w in (2, 4)]
     assert f"α grows {grown:.1f}× ({cells[0].removesuffix(' µs')} to {cells[1]})" in text
-    model = by_w[4]["all_reduce"]["ring_model"]["alpha_s"] / by_w[2]["all_reduce"]["ring_model"]["alpha_s"]
+    model = (
+        by_w[4]["all_reduce"]["ring_model"]["alpha_s"]
+        / by_w[2]["all_reduce"]["ring_model"]["alpha_s"]
+    )
     assert f"says {model:.1f}×" in text
     bend = by_w[2]["all_reduce"]["alpha_s"] / by_w[2]["all_reduce"]["beta_s_per_byte"]
     assert f"near {round(bend / 1e4) * 10} KB" in text
 
 
 # ---- the tables ----
+
 
 def test_the_ring_share_table_is_two_w_minus_one_over_w():
     rows = table(COLLECTIVES_PAGE, "| W | messages per rank")
@@ -241,19 +288,35 @@ def counts_of(cell):
 
 def test_the_memory_table_follows_its_formulas():
     rows = table(MEASUREMENTS_PAGE, "| layout | counts | GPUs |")
-    assert [row[0] for row in rows] == ["one GPU", "DDP", "FSDP", "HSDP", "TP", "FSDP × TP", "PP × FSDP × TP"]
+    assert [row[0] for row in rows] == [
+        "one GPU",
+        "DDP",
+        "FSDP",
+        "HSDP",
+        "TP",
+        "FSDP × TP",
+        "PP × FSDP × TP",
+    ]
     for layout, counts, gpus, text, seven, seventy in rows:
         counts = counts_of(counts)
         assert int(gpus) == (counts["N"] if "N" in counts else math.prod(counts.values())), layout
         for P, shown in ((7e9, seven), (70e9, seventy)):
-            assert shown.endswith(" GB") and math.isclose(number(shown), formula(text, P=P, **counts) / 1e9), layout
+            assert shown.endswith(" GB") and math.isclose(
+                number(shown), formula(text, P=P, **counts) / 1e9
+            ), layout
 
 
 def test_the_memory_formulas_match_the_measured_bytes_per_rank():
     measured = json.loads((ROOT / "benchmarks" / "results" / "sharding.json").read_text())["memory"]
-    runs = {("DDP", 1): "DDP, 1 rank", ("full", 2): "FSDP `full`, 2 ranks",
-            ("hybrid, 2 groups x 2 shards", 4): "HSDP, 2 groups × 2 shards", ("full", 4): "FSDP `full`, 4 ranks"}
-    state = {runs[(r["layout"], r["ranks"])]: r for r in measured if (r["layout"], r["ranks"]) in runs}
+    runs = {
+        ("DDP", 1): "DDP, 1 rank",
+        ("full", 2): "FSDP `full`, 2 ranks",
+        ("hybrid, 2 groups x 2 shards", 4): "HSDP, 2 groups × 2 shards",
+        ("full", 4): "FSDP `full`, 4 ranks",
+    }
+    state = {
+        runs[(r["layout"], r["ranks"])]: r for r in measured if (r["layout"], r["ranks"]) in runs
+    }
     P = state["DDP, 1 rank"]["param_count"]
     assert f"P = {P:,}" in MEASUREMENTS_PAGE.read_text()
     rows = table(MEASUREMENTS_PAGE, "| run | counts | formula |")
@@ -262,7 +325,9 @@ def test_the_memory_formulas_match_the_measured_bytes_per_rank():
     for run, counts, text, shown_formula, shown_measured, shown_ratio in rows:
         predicted[run] = formula(text, P=P, **counts_of(counts))
         bytes_ = state[run]["state_bytes"]
-        assert int(number(shown_formula)) == predicted[run] and int(number(shown_measured)) == bytes_, run
+        assert (
+            int(number(shown_formula)) == predicted[run] and int(number(shown_measured)) == bytes_
+        ), run
         assert shown_ratio == f"{bytes_ / predicted[run]:.4f}"
         assert abs(bytes_ / predicted[run] - 1) < 0.01, run
     # The tolerance is far below the difference between layouts: each measurement is 2x or more away from the
@@ -270,4 +335,7 @@ def test_the_memory_formulas_match_the_measured_bytes_per_rank():
     for run, row in state.items():
         for other, value in predicted.items():
             if value != predicted[run]:
-                assert max(row["state_bytes"] / value, value / row["state_bytes"]) > 1.9, (run, other)
+                assert max(row["state_bytes"] / value, value / row["state_bytes"]) > 1.9, (
+                    run,
+                    other,
+                )

@@ -26,8 +26,19 @@ from models import BabyCNN, data
 # 8 steps, a checkpoint at 4 and 8. A constant lr without warmup: the first 4 steps of this run are
 # a run of --max-steps 4, so its step-4 is what a run stopped there leaves, and that run's --save is
 # what step-4 must hold.
-SMALL = ["--max-steps", "8", "--checkpoint-every", "4", "--log-every", "4", "--no-eval",
-         "--lr-schedule", "constant", "--warmup-steps", "0"]
+SMALL = [
+    "--max-steps",
+    "8",
+    "--checkpoint-every",
+    "4",
+    "--log-every",
+    "4",
+    "--no-eval",
+    "--lr-schedule",
+    "constant",
+    "--warmup-steps",
+    "0",
+]
 LAYOUTS = {  # name: (script, ranks, flags); every script at two world sizes
     "ddp-1": ("train_ddp.py", 1, ["--batch-size", "32"]),
     "ddp-2": ("train_ddp.py", 2, ["--batch-size", "16"]),
@@ -43,8 +54,16 @@ LAYOUTS = {  # name: (script, ranks, flags); every script at two world sizes
 def train(layout, directory, mnist_dir, *more):
     """Start a run of ``layout`` with SMALL (and ``more``): directory/ck, directory/final.pt."""
     script, ranks, flags = LAYOUTS[layout]
-    args = [*mnist_args(mnist_dir), *SMALL, *flags, *more, "--checkpoint-dir", directory / "ck",
-            "--save", directory / "final.pt"]
+    args = [
+        *mnist_args(mnist_dir),
+        *SMALL,
+        *flags,
+        *more,
+        "--checkpoint-dir",
+        directory / "ck",
+        "--save",
+        directory / "final.pt",
+    ]
     return python(script, *args) if ranks == 1 else torchrun(script, ranks, *args)
 
 
@@ -76,8 +95,10 @@ def ddp_runs(mnist_dir, tmp_path_factory):
     """DDP on 2 ranks, started together: the 8-step run (8/ck, 8/final.pt) and its first 4 steps
     alone (4/final.pt)."""
     directory = tmp_path_factory.mktemp("consolidate-ddp")
-    runs = [train("ddp-2", directory / "8", mnist_dir),
-            train("ddp-2", directory / "4", mnist_dir, "--max-steps", "4")]
+    runs = [
+        train("ddp-2", directory / "8", mnist_dir),
+        train("ddp-2", directory / "4", mnist_dir, "--max-steps", "4"),
+    ]
     for run in runs:
         succeeded(run)
     return directory
@@ -119,8 +140,13 @@ def test_a_damaged_checkpoint_or_none_is_one_line_and_nothing_is_written(ddp_run
     empty = tmp_path / "empty"
     empty.mkdir()
     cases = [
-        (step, (f"checkpoint {step} is damaged (__1_0.distcp does not match its SHA-256 in "
-                "checkpoint.json): nothing was written")),
+        (
+            step,
+            (
+                f"checkpoint {step} is damaged (__1_0.distcp does not match its SHA-256 in "
+                "checkpoint.json): nothing was written"
+            ),
+        ),
         (empty, f"{empty} is not a checkpoint: it has no checkpoint.json and no step-<N>"),
         (tmp_path / "missing", f"{tmp_path / 'missing'} is not a directory"),
     ]
@@ -150,17 +176,38 @@ def test_consolidating_holds_about_one_model_in_memory(ddp_runs, mnist_dir, tmp_
     """The peak resident memory above what the process held before: the model (--width 8: 1.8 M
     parameters, 7.4 MB) and DCP's copy of one tensor at a time, not AdamW's two moments beside it in
     the checkpoint, nor a second copy of the model."""
-    succeeded(python("train_ddp.py", *mnist_args(mnist_dir), "--width", "8", "--max-steps", "1",
-                     "--no-eval", "--batch-size", "16", "--checkpoint-dir", tmp_path / "ck"))
+    succeeded(
+        python(
+            "train_ddp.py",
+            *mnist_args(mnist_dir),
+            "--width",
+            "8",
+            "--max-steps",
+            "1",
+            "--no-eval",
+            "--batch-size",
+            "16",
+            "--checkpoint-dir",
+            tmp_path / "ck",
+        )
+    )
     started = time.monotonic()
-    probe = subprocess.run([sys.executable, "-c", PROBE, ddp_runs / "8" / "ck", tmp_path / "ck",
-                            tmp_path / "out.pt"], cwd=ROOT, env=child_env(), capture_output=True,
-                           text=True, timeout=TIMEOUT, check=False)
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE, ddp_runs / "8" / "ck", tmp_path / "ck", tmp_path / "out.pt"],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
     assert probe.returncode == 0, probe.stderr
     before, peak = map(int, probe.stdout.split()[-2:])
     model = sum(t.nbytes for t in load_weights(tmp_path / "out.pt").values())
     files = json.loads((tmp_path / "ck" / "step-1" / "checkpoint.json").read_text())["files"]
-    print(f"model {model / 1e6:.1f} MB, checkpoint {sum(s for s, _ in files.values()) / 1e6:.1f} "
-          f"MB: peak resident memory {peak / 1e6:.0f} MB, {(peak - before) / 1e6:.1f} MB above the "
-          f"{before / 1e6:.0f} MB before, in {time.monotonic() - started:.1f} s")
+    print(
+        f"model {model / 1e6:.1f} MB, checkpoint {sum(s for s, _ in files.values()) / 1e6:.1f} "
+        f"MB: peak resident memory {peak / 1e6:.0f} MB, {(peak - before) / 1e6:.1f} MB above the "
+        f"{before / 1e6:.0f} MB before, in {time.monotonic() - started:.1f} s"
+    )
     assert peak - before < 1.5 * model, (before, peak, model)

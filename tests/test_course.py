@@ -104,7 +104,9 @@ def resolve(page, target):
 
 def teaching(entry):
     """The files an entry's links lead to, other than the glossary: the pages that teach the term."""
-    return {file for file, _ in (resolve(GLOSSARY, t) for t in entry[1]) if file != GLOSSARY.resolve()}
+    return {
+        file for file, _ in (resolve(GLOSSARY, t) for t in entry[1]) if file != GLOSSARY.resolve()
+    }
 
 
 def reading_text(page):
@@ -130,9 +132,13 @@ def reading_text(page):
             if slug in slugs and slug not in sections:
                 open_sections.append((slug, level, offset))
             line = " " * len(line)
-        elif (re.fullmatch(r"\s*(\[[^\]]*\]\([^)]*\)\s*(→\s*)?|\*\*[^*]+\*\*\s*(→\s*)?)+\s*", line)  # breadcrumb
-              or re.fullmatch(r"\s*[-*] \[[^\]]*\]\(#[^)]*\)\s*", line)  # contents
-              or line.startswith("Next:")):
+        elif (
+            re.fullmatch(
+                r"\s*(\[[^\]]*\]\([^)]*\)\s*(→\s*)?|\*\*[^*]+\*\*\s*(→\s*)?)+\s*", line
+            )  # breadcrumb
+            or re.fullmatch(r"\s*[-*] \[[^\]]*\]\(#[^)]*\)\s*", line)  # contents
+            or line.startswith("Next:")
+        ):
             line = " " * len(line)
         kept.append(line)
         offset += len(line) + 1
@@ -141,7 +147,7 @@ def reading_text(page):
     visible, links, position = [], [], 0
     length = 0
     for match in LINK.finditer(text):
-        visible.append(text[position:match.start()])
+        visible.append(text[position : match.start()])
         length += match.start() - position
         if match.group(1):  # an image: not reading text
             visible.append(" " * (match.end() - match.start()))
@@ -179,22 +185,31 @@ def first_use_problems(page, entries):
                 accepted = (file == GLOSSARY.resolve() and fragment == anchor) or file in taught_by
                 break
         if not accepted and here:  # inside the section that teaches it, on its own page
-            fragments = {resolve(GLOSSARY, t)[1] for t in entries[anchor][1]
-                         if resolve(GLOSSARY, t)[0] == page.resolve()}
-            accepted = any(sections.get(f, (1, 0))[0] <= match.start() < sections.get(f, (1, 0))[1]
-                           for f in fragments)
+            fragments = {
+                resolve(GLOSSARY, t)[1]
+                for t in entries[anchor][1]
+                if resolve(GLOSSARY, t)[0] == page.resolve()
+            }
+            accepted = any(
+                sections.get(f, (1, 0))[0] <= match.start() < sections.get(f, (1, 0))[1]
+                for f in fragments
+            )
         if not accepted:
-            context = text[max(0, match.start() - 60):match.end() + 40].strip()
+            context = text[max(0, match.start() - 60) : match.end() + 40].strip()
             name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page.name
-            problems.append(f"{name}: {match.group()!r} (glossary #{anchor}) first used "
-                            f"without a link: ...{context}...")
+            problems.append(
+                f"{name}: {match.group()!r} (glossary #{anchor}) first used "
+                f"without a link: ...{context}..."
+            )
     return problems
 
 
 def test_every_glossary_entry_links_to_the_section_that_teaches_it():
     entries = glossary_entries()
-    assert set(entries) == set(TERMS), (f"entries without a pattern here: {sorted(set(entries) - set(TERMS))}; "
-                                        f"patterns without an entry: {sorted(set(TERMS) - set(entries))}")
+    assert set(entries) == set(TERMS), (
+        f"entries without a pattern here: {sorted(set(entries) - set(TERMS))}; "
+        f"patterns without an entry: {sorted(set(TERMS) - set(entries))}"
+    )
     problems = []
     for anchor, entry in entries.items():
         if not teaching(entry):
@@ -218,9 +233,11 @@ def test_the_rule_finds_an_unlinked_term(tmp_path):
     assert len(found) == 2 and "'rank'" in found[0] + found[1], found
     docs = os.path.relpath(ROOT / "docs", tmp_path)  # links from the probe page to the real pages
     linked = tmp_path / "linked.md"
-    linked.write_text(f"# A page\n\n[README]({docs}/../README.md) → **here**\n\n- [A page](#a-page)\n\n"
-                      f"Each [rank]({docs}/glossary.md#rank) joins the\n[process group]({docs}/concepts.md#rank).\n"
-                      "```bash\nworld size in code does not count\n```\n")
+    linked.write_text(
+        f"# A page\n\n[README]({docs}/../README.md) → **here**\n\n- [A page](#a-page)\n\n"
+        f"Each [rank]({docs}/glossary.md#rank) joins the\n[process group]({docs}/concepts.md#rank).\n"
+        "```bash\nworld size in code does not count\n```\n"
+    )
     assert first_use_problems(linked, entries) == []
 
 
@@ -232,7 +249,9 @@ def test_every_glossary_term_is_linked_at_its_first_use_on_each_page():
 
 def test_the_concepts_page_is_short():
     lines = len((ROOT / "docs" / "concepts.md").read_text().splitlines())
-    assert lines <= 190, f"docs/concepts.md has {lines} lines: it is the first page, keep it to about 180"
+    assert lines <= 190, (
+        f"docs/concepts.md has {lines} lines: it is the first page, keep it to about 180"
+    )
 
 
 NOT_LESSONS = {"glossary.md", "reference.md", "measurements.md"}  # looked up, not read through
@@ -275,15 +294,26 @@ def test_the_sentence_count_follows_the_rule():
 
 # ---- the flight recorder ----
 
+
 def test_the_flight_recorder_shows_which_rank_stopped_where():
     """docs/checkpoints.md: in docs/snippets/flight_recorder.py rank 1 skips the fourth all-reduce; each
     rank's flight recorder shows how far it got, 4 on rank 0 and 3 on rank 1."""
-    run = succeeded(torchrun("docs/snippets/flight_recorder.py", 2, env=child_env(TORCH_FR_BUFFER_SIZE=2000)))
-    last = {int(rank): (int(count), json.loads(entry)) for rank, count, entry in
-            re.findall(r"^rank (\d): (\d+) collectives recorded, the last: (\{.*\})$", run.output, re.M)}
+    run = succeeded(
+        torchrun("docs/snippets/flight_recorder.py", 2, env=child_env(TORCH_FR_BUFFER_SIZE=2000))
+    )
+    last = {
+        int(rank): (int(count), json.loads(entry))
+        for rank, count, entry in re.findall(
+            r"^rank (\d): (\d+) collectives recorded, the last: (\{.*\})$", run.output, re.M
+        )
+    }
     assert set(last) == {0, 1}, run.output
     assert "Timed out" in run.output, run.output
     for rank, seq in ((0, 4), (1, 3)):
         count, entry = last[rank]
-        assert (count, entry["collective_seq_id"], entry["profiling_name"]) == (seq, seq, "gloo:all_reduce"), last
+        assert (count, entry["collective_seq_id"], entry["profiling_name"]) == (
+            seq,
+            seq,
+            "gloo:all_reduce",
+        ), last
         assert entry["input_sizes"] == [[1000]] and entry["timeout_ms"] == 2000, last

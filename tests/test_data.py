@@ -7,17 +7,21 @@ import re
 import shutil
 
 import pytest
-
 from conftest import ROOT, mnist_args, python, succeeded
+
 from models import data
 
 BUNDLED = ROOT / "models" / "mnist"
-SHARED = ROOT.parent / "shared" / "data" / "mnist" / "README.md"  # where the files came from, beside the checkout
+SHARED = (
+    ROOT.parent / "shared" / "data" / "mnist" / "README.md"
+)  # where the files came from, beside the checkout
 
 
 def checksums(readme):
     """{file: (bytes, md5 of the uncompressed file)} from a README's table."""
-    rows = re.findall(r"^\| ([a-z0-9-]+-ubyte) \| ([\d,]+) \| ([0-9a-f]{32}) \|$", readme.read_text(), re.M)
+    rows = re.findall(
+        r"^\| ([a-z0-9-]+-ubyte) \| ([\d,]+) \| ([0-9a-f]{32}) \|$", readme.read_text(), re.M
+    )
     return {name: (int(size.replace(",", "")), md5) for name, size, md5 in rows}
 
 
@@ -32,21 +36,38 @@ def test_the_bundled_files_are_the_original_mnist():
     found = data.find("auto", None, download=False)
     (train_images, train_labels), (test_images, test_labels) = found["splits"]
     assert train_images.shape == (60000, 1, 28, 28) and test_images.shape == (10000, 1, 28, 28)
-    counts = re.search(r"training set \(digits 0–9\): ([\d ]+);\s+test set: ([\d ]+)\.", (BUNDLED / "README.md").read_text())
+    counts = re.search(
+        r"training set \(digits 0–9\): ([\d ]+);\s+test set: ([\d ]+)\.",
+        (BUNDLED / "README.md").read_text(),
+    )
     assert train_labels.bincount().tolist() == [int(n) for n in counts.group(1).split()]
     assert test_labels.bincount().tolist() == [int(n) for n in counts.group(2).split()]
 
 
 def test_auto_trains_on_the_bundled_digits_with_no_network_and_no_data_dir(tmp_path):
     metrics = tmp_path / "metrics.json"
-    run = succeeded(python("train_ddp.py", "--no-download", "--max-steps", "30", "--log-every", "10", "--no-eval",
-                           "--metrics", metrics))
+    run = succeeded(
+        python(
+            "train_ddp.py",
+            "--no-download",
+            "--max-steps",
+            "30",
+            "--log-every",
+            "10",
+            "--no-eval",
+            "--metrics",
+            metrics,
+        )
+    )
     assert "; mnist; 30 steps" in run.output
     assert json.loads(metrics.read_text())["dataset"] == "mnist"
     # A --data-dir would not be read: refused (before any process group), not passed over.
-    with pytest.raises(data.DataError, match=r"^--data-dir mine is not read with --dataset auto, which trains on the "
-                                             r"MNIST files in .*models/mnist: add --dataset mnist to train on the MNIST "
-                                             r"files in mine$"):
+    with pytest.raises(
+        data.DataError,
+        match=r"^--data-dir mine is not read with --dataset auto, which trains on the "
+        r"MNIST files in .*models/mnist: add --dataset mnist to train on the MNIST "
+        r"files in mine$",
+    ):
         data.find("auto", "mine")
 
 
@@ -69,7 +90,11 @@ def test_a_damaged_archive_is_named_as_one(mnist_dir, tmp_path):
     images = raw / "train-images-idx3-ubyte"
     compressed = gzip.compress(images.read_bytes())
     images.unlink()
-    (raw / "train-images-idx3-ubyte.gz").write_bytes(compressed[: len(compressed) // 2])  # cut short
+    (raw / "train-images-idx3-ubyte.gz").write_bytes(
+        compressed[: len(compressed) // 2]
+    )  # cut short
     run = python("train_ddp.py", *mnist_args(tmp_path)).wait()
     assert run.returncode == 2
-    assert f"error: {raw / 'train-images-idx3-ubyte.gz'} is a damaged gzip archive" in run.output, run.output
+    assert f"error: {raw / 'train-images-idx3-ubyte.gz'} is a damaged gzip archive" in run.output, (
+        run.output
+    )

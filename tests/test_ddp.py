@@ -7,11 +7,22 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import (
-    EQUIVALENCE, ROOT, Run, assert_same_math, child_env, free_port, launcher_env, load_weights, max_difference,
-    mnist_args, python, succeeded, torchrun,
+    EQUIVALENCE,
+    ROOT,
+    Run,
+    assert_same_math,
+    child_env,
+    free_port,
+    launcher_env,
+    load_weights,
+    max_difference,
+    mnist_args,
+    python,
+    succeeded,
+    torchrun,
 )
+
 from benchmarks.compare import steady_state
 from models import BabyCNN
 
@@ -20,18 +31,34 @@ from models import BabyCNN
 def two_ranks(mnist_dir, tmp_path_factory):
     """Two ranks at batch 16 each (global batch 32)."""
     path = tmp_path_factory.mktemp("ddp") / "two_ranks.pt"
-    succeeded(torchrun("train_ddp.py", 2, *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "16", "--save", path))
+    succeeded(
+        torchrun(
+            "train_ddp.py",
+            2,
+            *mnist_args(mnist_dir),
+            *EQUIVALENCE,
+            "--batch-size",
+            "16",
+            "--save",
+            path,
+        )
+    )
     return load_weights(path)
 
 
-def test_saved_weights_load_into_a_plain_babycnn_and_moved_away_from_the_initial_ones(reference, reference_run,
-                                                                                       reference_metrics):
+def test_saved_weights_load_into_a_plain_babycnn_and_moved_away_from_the_initial_ones(
+    reference, reference_run, reference_metrics
+):
     # --max-grad-norm 1 clipped the steps the run logged (every layout's equivalence checks clipping too)
     assert [step for step, _ in reference_metrics["grad_norms"]] == [8, 16, 20, 24]
-    assert all(norm > 1.1 for _, norm in reference_metrics["grad_norms"]), reference_metrics["grad_norms"]
+    assert all(norm > 1.1 for _, norm in reference_metrics["grad_norms"]), reference_metrics[
+        "grad_norms"
+    ]
     umask = os.umask(0)
     os.umask(umask)
-    assert (reference_run / "reference.pt").stat().st_mode & 0o777 == 0o666 & ~umask  # readable as open() makes files
+    assert (
+        reference_run / "reference.pt"
+    ).stat().st_mode & 0o777 == 0o666 & ~umask  # readable as open() makes files
     model = BabyCNN(in_channels=1, num_classes=10, image_size=28)
     model.load_state_dict(reference)  # strict: no "module." prefix, no missing or extra keys
     torch.manual_seed(0)
@@ -44,10 +71,21 @@ def test_two_ranks_match_one_process_at_twice_the_batch(reference, two_ranks, co
     assert_same_math(two_ranks, reference, control)
 
 
-def test_gradient_accumulation_matches_one_process_at_twice_the_batch(reference, control, mnist_dir, tmp_path):
+def test_gradient_accumulation_matches_one_process_at_twice_the_batch(
+    reference, control, mnist_dir, tmp_path
+):
     path = tmp_path / "accumulated.pt"
-    run = python("train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "16", "--grad-accum", "2",
-                 "--save", path)
+    run = python(
+        "train_ddp.py",
+        *mnist_args(mnist_dir),
+        *EQUIVALENCE,
+        "--batch-size",
+        "16",
+        "--grad-accum",
+        "2",
+        "--save",
+        path,
+    )
     succeeded(run)
     assert "global batch 32" in run.output
     assert_same_math(load_weights(path), reference, control)
@@ -63,7 +101,11 @@ def test_the_compiled_model_does_the_same_math(reference, control, mnist_dir, tm
     # under another (seen with avx2 after AVX-512 runs on one machine).
     env = child_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     flags = [*mnist_args(mnist_dir), *EQUIVALENCE, "--compile", "--no-eval"]
-    two = succeeded(torchrun("train_ddp.py", 2, *flags, "--batch-size", "16", "--save", tmp_path / "two.pt", env=env))
+    two = succeeded(
+        torchrun(
+            "train_ddp.py", 2, *flags, "--batch-size", "16", "--save", tmp_path / "two.pt", env=env
+        )
+    )
     assert "DDP on 2 rank(s)" in two.output
     assert_same_math(load_weights(tmp_path / "two.pt"), reference, control)
 
@@ -77,16 +119,41 @@ def two_nodes(tmp_path, mnist_dir, with_data, *args, **extra_env):
         node_dir.mkdir()
         if with_data[node_rank]:
             shutil.copytree(mnist_dir, node_dir / "data")
-        env = launcher_env(NNODES=2, NODE_RANK=node_rank, NPROC_PER_NODE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                           RDZV_ID=f"test-{port}", **extra_env)
-        runs.append(Run(["bash", ROOT / "run_ddp.sh", "--data-dir", "data", "--no-download", *args], env=env, cwd=node_dir))
+        env = launcher_env(
+            NNODES=2,
+            NODE_RANK=node_rank,
+            NPROC_PER_NODE=1,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            RDZV_ID=f"test-{port}",
+            **extra_env,
+        )
+        runs.append(
+            Run(
+                ["bash", ROOT / "run_ddp.sh", "--data-dir", "data", "--no-download", *args],
+                env=env,
+                cwd=node_dir,
+            )
+        )
     return runs
 
 
-def test_two_nodes_with_their_own_data_train_like_one_node_with_two_processes(two_ranks, mnist_dir, tmp_path):
+def test_two_nodes_with_their_own_data_train_like_one_node_with_two_processes(
+    two_ranks, mnist_dir, tmp_path
+):
     path = tmp_path / "two_nodes.pt"
-    nodes = two_nodes(tmp_path, mnist_dir, (True, True), "--dataset", "mnist", *EQUIVALENCE, "--batch-size", "16",
-                      "--save", path)
+    nodes = two_nodes(
+        tmp_path,
+        mnist_dir,
+        (True, True),
+        "--dataset",
+        "mnist",
+        *EQUIVALENCE,
+        "--batch-size",
+        "16",
+        "--save",
+        path,
+    )
     for node in nodes:
         succeeded(node)
     assert "DDP on 2 rank(s)" in nodes[0].output + nodes[1].output
@@ -95,8 +162,18 @@ def test_two_nodes_with_their_own_data_train_like_one_node_with_two_processes(tw
 
 def test_a_node_without_the_files_stops_every_node(mnist_dir, tmp_path):
     metrics_path = tmp_path / "metrics.json"
-    nodes = two_nodes(tmp_path, mnist_dir, (True, False), "--dataset", "mnist", "--max-steps", "40",
-                      "--metrics", metrics_path, MAX_RESTARTS=0)
+    nodes = two_nodes(
+        tmp_path,
+        mnist_dir,
+        (True, False),
+        "--dataset",
+        "mnist",
+        "--max-steps",
+        "40",
+        "--metrics",
+        metrics_path,
+        MAX_RESTARTS=0,
+    )
     for node in nodes:
         node.wait()
     output = nodes[0].output + nodes[1].output
@@ -110,9 +187,28 @@ def test_a_node_without_the_files_stops_every_node(mnist_dir, tmp_path):
 def test_short_run_learns_with_all_reduced_loss_and_metrics(mnist_dir, tmp_path):
     metrics_path = tmp_path / "metrics.json"
     run = torchrun(
-        "train_ddp.py", 2, "--dataset", "mnist", "--data-dir", mnist_dir, "--no-download", "--epochs", "10",
-        "--batch-size", "32", "--lr", "1e-3", "--scale-lr", "--base-batch-size", "32", "--metrics", metrics_path,
-        "--log-dir", tmp_path / "log", "--profile-steps", "52:53",
+        "train_ddp.py",
+        2,
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        mnist_dir,
+        "--no-download",
+        "--epochs",
+        "10",
+        "--batch-size",
+        "32",
+        "--lr",
+        "1e-3",
+        "--scale-lr",
+        "--base-batch-size",
+        "32",
+        "--metrics",
+        metrics_path,
+        "--log-dir",
+        tmp_path / "log",
+        "--profile-steps",
+        "52:53",
     )
     succeeded(run)
     metrics = json.loads(metrics_path.read_text())
@@ -129,7 +225,9 @@ def test_short_run_learns_with_all_reduced_loss_and_metrics(mnist_dir, tmp_path)
     # Each curve point holds the training seconds so far, from which benchmarks/compare.py takes the steady
     # state: from the first logging point past a tenth of the 100 steps (step 20) to the end.
     seconds = [s for _, _, s in metrics["loss_curve"]]
-    assert 0 < seconds[0] and seconds == sorted(seconds) and seconds[-1] <= metrics["train_seconds"], seconds
+    assert (
+        0 < seconds[0] and seconds == sorted(seconds) and seconds[-1] <= metrics["train_seconds"]
+    ), seconds
     steady_from, steady_rate = steady_state(metrics, log_every=20)
     assert steady_from == 20 and steady_rate > 0
     # Every rank holds everything: weights + gradients + two AdamW moments = 4 x the parameters.
@@ -141,8 +239,12 @@ def test_short_run_learns_with_all_reduced_loss_and_metrics(mnist_dir, tmp_path)
     # convolutions' weights x their 28x28, 14x14, 7x7 outputs, and the classifier), 2 FLOPs each; backward computes the
     # weights' gradients (as many) and every input's but the image's (less the first convolution's 56,448 x 2).
     forward = 2 * 2_330_048
-    assert metrics["flops_per_sample"] == 2 * forward + forward - 2 * 56_448 and metrics["mfu"] is None  # no GPU
-    assert metrics["flops_per_second"] == pytest.approx(metrics["flops_per_sample"] * metrics["samples_per_second"])
+    assert (
+        metrics["flops_per_sample"] == 2 * forward + forward - 2 * 56_448 and metrics["mfu"] is None
+    )  # no GPU
+    assert metrics["flops_per_second"] == pytest.approx(
+        metrics["flops_per_sample"] * metrics["samples_per_second"]
+    )
     assert "; 13.9 MFLOPs a sample;" in run.output
     # Only rank 0 talks, once per epoch, and the loss says it is all-reduced; in a pipe, in lines (no bar redrawn).
     assert run.output.count("epoch 1:") == 1 and run.output.count("epoch 10:") == 1
@@ -152,18 +254,33 @@ def test_short_run_learns_with_all_reduced_loss_and_metrics(mnist_dir, tmp_path)
     with open(tmp_path / "log" / "metrics.csv", newline="") as file:
         rows = list(csv.DictReader(file))
     assert [(int(r["step"]), float(r["train_loss"])) for r in rows if r["train_loss"]] == [
-        (step, loss) for step, loss, _ in metrics["loss_curve"]]
+        (step, loss) for step, loss, _ in metrics["loss_curve"]
+    ]
     assert sum(1 for r in rows if r["test_accuracy"]) == 10
     for rank in (0, 1):
-        events = json.loads((tmp_path / "log" / f"trace-rank{rank}.json").read_text())["traceEvents"]
+        events = json.loads((tmp_path / "log" / f"trace-rank{rank}.json").read_text())[
+            "traceEvents"
+        ]
         assert sum(e.get("name") == "gloo:all_reduce" for e in events) == 2, rank
     assert "loss (all ranks)" in run.output and "[rank1]" not in run.output
 
 
 def test_bf16_autocast_trains(mnist_dir, tmp_path):
     metrics_path = tmp_path / "metrics.json"
-    run = python("train_ddp.py", *mnist_args(mnist_dir), "--precision", "bf16", "--batch-size", "32", "--max-steps", "30",
-                 "--log-every", "10", "--metrics", metrics_path)
+    run = python(
+        "train_ddp.py",
+        *mnist_args(mnist_dir),
+        "--precision",
+        "bf16",
+        "--batch-size",
+        "32",
+        "--max-steps",
+        "30",
+        "--log-every",
+        "10",
+        "--metrics",
+        metrics_path,
+    )
     succeeded(run)
     metrics = json.loads(metrics_path.read_text())
     assert metrics["precision"] == "bf16"
@@ -174,7 +291,12 @@ def test_bf16_autocast_trains(mnist_dir, tmp_path):
 def test_an_error_after_a_torchrun_restart_is_printed_with_its_attempt(mnist_dir):
     # torchrun tells a restarted worker its attempt in TORCHELASTIC_RESTART_COUNT; a restart can fail where the
     # first attempt did not, so every attempt says its error, and which attempt it was.
-    for flags in (["--batch-size", "0"], ["--dataset", "mnist", "--no-download", "--data-dir", mnist_dir / "missing"]):
+    for flags in (
+        ["--batch-size", "0"],
+        ["--dataset", "mnist", "--no-download", "--data-dir", mnist_dir / "missing"],
+    ):
         run = python("train_ddp.py", *flags, env=child_env(TORCHELASTIC_RESTART_COUNT=1)).wait()
         errors = [line for line in run.output.splitlines() if line.startswith("error:")]
-        assert run.returncode == 2 and len(errors) == 1 and errors[0].endswith("(torchrun restart 1)"), run.output
+        assert (
+            run.returncode == 2 and len(errors) == 1 and errors[0].endswith("(torchrun restart 1)")
+        ), run.output

@@ -33,6 +33,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "docs"))
 import code_on_page  # noqa: E402
+
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*([\w+-]*)")
@@ -48,12 +49,18 @@ def blocks(page):
         match = FENCE.match(line)
         if current is None and match:
             current = (number + 1, match.group(2).lower(), [], match.group(1))
-        elif current is not None and line.strip().startswith(current[3]) and not line.strip().strip(current[3][0]):
+        elif (
+            current is not None
+            and line.strip().startswith(current[3])
+            and not line.strip().strip(current[3][0])
+        ):
             found.append(current[:3])
             current = None
         elif current is not None:
             current[2].append(line)
-    assert current is None, f"{page.name}: a code block opened on line {current[0] - 1} is never closed"
+    assert current is None, (
+        f"{page.name}: a code block opened on line {current[0] - 1} is never closed"
+    )
     return found
 
 
@@ -109,11 +116,15 @@ def script_call(words, wrappers):
     if not words:
         return None
     program, rest = Path(words[0]).name, words[1:]
-    if program == "sbatch":  # sbatch's own options (--nodes=4), then the batch script, run like `bash script`
+    if (
+        program == "sbatch"
+    ):  # sbatch's own options (--nodes=4), then the batch script, run like `bash script`
         while rest and rest[0].startswith("-"):
             rest = rest[1:]
         program = "bash"
-    if program in ("bash", "sh") and rest and Path(rest[0]).name == "train.sbatch":  # STRATEGY, then its flags
+    if (
+        program in ("bash", "sh") and rest and Path(rest[0]).name == "train.sbatch"
+    ):  # STRATEGY, then its flags
         return (f"train_{rest[1]}.py", rest[2:]) if len(rest) > 1 else None
     if program in ("bash", "sh"):
         if rest and Path(rest[0]).name in wrappers:
@@ -125,7 +136,9 @@ def script_call(words, wrappers):
         if rest[:2] == ["-m", "torch.distributed.run"]:
             program, rest = "torchrun", rest[2:]
         else:
-            while rest and rest[0].startswith("-") and rest[0] != "-m":  # interpreter options (-u, -X ...)
+            while (
+                rest and rest[0].startswith("-") and rest[0] != "-m"
+            ):  # interpreter options (-u, -X ...)
                 rest = rest[1:]
             if not rest or rest[0] == "-m":  # python -m pytest, python -m pip: not a project script
                 return None
@@ -133,7 +146,7 @@ def script_call(words, wrappers):
     if program == "torchrun":  # torchrun's own options come before the script; the script's after
         for index, word in enumerate(rest):
             if word.endswith(".py"):
-                return word, rest[index + 1:]
+                return word, rest[index + 1 :]
     return None
 
 
@@ -156,7 +169,9 @@ def parser_of(script):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(argparse.ArgumentParser, "parse_args", capture)
         patch.setattr(sys, "argv", [str(ROOT / script)])
-        patch.syspath_prepend(str((ROOT / script).parent))  # as `python script` would: benchmarks/ import premade
+        patch.syspath_prepend(
+            str((ROOT / script).parent)
+        )  # as `python script` would: benchmarks/ import premade
         try:
             runpy.run_path(str(ROOT / script), run_name="__main__")
         except _Parsed as parsed:
@@ -167,8 +182,12 @@ def parser_of(script):
 def project_commands():
     wrappers = runner_scripts()
     # An exercise's broken copy (`sed 'EDIT' train_ddp.py > broken.py`) takes its script's flags.
-    copies = {words[4]: words[2] for page in PAGES for _, words in commands(page)
-              if words[0] == "sed" and len(words) == 5 and words[3] == ">"}
+    copies = {
+        words[4]: words[2]
+        for page in PAGES
+        for _, words in commands(page)
+        if words[0] == "sed" and len(words) == 5 and words[3] == ">"
+    }
     for page in PAGES:
         for line, words in commands(page):
             call = script_call(words, wrappers)
@@ -199,9 +218,14 @@ def test_commands_use_flags_the_scripts_accept(parsers):
             continue
         parser = parsers[script]
         accepted = parser._option_string_actions  # every option string: --flag, -h, --help
-        unknown = [word.split("=", 1)[0] for word in args
-                   if word.startswith("-") and word != "-" and not re.fullmatch(r"-\d[\d.e-]*", word)
-                   and word.split("=", 1)[0] not in accepted]  # exact names: argparse would take a prefix
+        unknown = [
+            word.split("=", 1)[0]
+            for word in args
+            if word.startswith("-")
+            and word != "-"
+            and not re.fullmatch(r"-\d[\d.e-]*", word)
+            and word.split("=", 1)[0] not in accepted
+        ]  # exact names: argparse would take a prefix
         if unknown:
             problems.append(f"{where}\n    {script} has no flag {', '.join(unknown)}")
             continue
@@ -226,8 +250,15 @@ LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
 def prose_lines(page):
     """The page's lines, with those of code blocks (fences included) left empty."""
-    code = {number for first, _, lines in blocks(page) for number in range(first - 1, first + len(lines) + 1)}
-    return ["" if number in code else line for number, line in enumerate(page.read_text().splitlines(), 1)]
+    code = {
+        number
+        for first, _, lines in blocks(page)
+        for number in range(first - 1, first + len(lines) + 1)
+    }
+    return [
+        "" if number in code else line
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+    ]
 
 
 def prose(page):
@@ -257,34 +288,51 @@ def test_links_and_images_point_to_files_that_exist(page):
         path, _, fragment = target.partition("#")
         file = (page.parent / path).resolve() if path else page
         if not file.exists():
-            problems.append(f"{target}: no file {file.relative_to(ROOT) if file.is_relative_to(ROOT) else file}")
+            problems.append(
+                f"{target}: no file {file.relative_to(ROOT) if file.is_relative_to(ROOT) else file}"
+            )
         elif fragment and file.suffix == ".md" and fragment not in anchors(file):
             problems.append(f"{target}: no heading #{fragment} in {file.relative_to(ROOT)}")
     assert not problems, f"{page.relative_to(ROOT)}:\n    " + "\n    ".join(problems)
 
 
-DIFF_COUNT = re.compile(r"`(diff train_\w+\.py train_\w+\.py \| grep -c '\^\[<>\]')` counts (\d+) changed lines")
+DIFF_COUNT = re.compile(
+    r"`(diff train_\w+\.py train_\w+\.py \| grep -c '\^\[<>\]')` counts (\d+) changed lines"
+)
 
 
 def test_the_diff_sizes_the_docs_quote_are_the_scripts_own():
-    """"`diff train_ddp.py train_fsdp.py | grep -c '^[<>]'` counts N changed lines": N is what it counts now."""
-    quoted = [(page.name, *found) for page in PAGES for found in DIFF_COUNT.findall(" ".join(prose_lines(page)))]
+    """ "`diff train_ddp.py train_fsdp.py | grep -c '^[<>]'` counts N changed lines": N is what it counts now."""
+    quoted = [
+        (page.name, *found)
+        for page in PAGES
+        for found in DIFF_COUNT.findall(" ".join(prose_lines(page)))
+    ]
     assert len(quoted) >= 1, quoted
     for page, command, count in quoted:
-        counted = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        counted = subprocess.run(
+            command, shell=True, cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
         assert counted == count, f"{page}: {command} counts {counted}, the page says {count}"
 
 
 def test_the_generated_code_on_the_pages_is_current():
-    done = subprocess.run([sys.executable, ROOT / "docs" / "code_on_page.py", "--check"], capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        [sys.executable, ROOT / "docs" / "code_on_page.py", "--check"],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr + "\nrun: python docs/code_on_page.py"
     pages = {page.name: page.read_text() for page in code_on_page.PAGES}
-    for page, directive in [("fsdp.md", 'lines train_fsdp.py "# Keep unsharded gradients local"'),
-                            ("pipeline.md", 'lines train_pippy.py "# ---- wrap"'),
-                            ("batch.md", 'lines docs/snippets/dataloader.py "sampler = DistributedSampler("')]:
+    for page, directive in [
+        ("fsdp.md", 'lines train_fsdp.py "# Keep unsharded gradients local"'),
+        ("pipeline.md", 'lines train_pippy.py "# ---- wrap"'),
+        ("batch.md", 'lines docs/snippets/dataloader.py "sampler = DistributedSampler("'),
+    ]:
         assert f"<!-- generated: {directive}" in pages[page], f"{page} lost its block {directive!r}"
     # The check sees drift: one line of the quoted code changed is put back by the generator.
     text = pages["fsdp.md"]
-    drifted = text.replace("set_requires_gradient_sync(last_micro_step)", "set_requires_gradient_sync(True)", 1)
+    drifted = text.replace(
+        "set_requires_gradient_sync(last_micro_step)", "set_requires_gradient_sync(True)", 1
+    )
     assert drifted != text and code_on_page.generated(drifted) == text

@@ -44,21 +44,44 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, Run, launcher_env, python, run_sh
 
-LEAST = {"concepts.md": 1, "collectives.md": 1, "ddp.md": 3, "batch.md": 1, "fsdp.md": 3,
-         "pipeline.md": 3, "parallelism.md": 1, "checkpoints.md": 1, "cluster.md": 1}  # at least
+LEAST = {
+    "concepts.md": 1,
+    "collectives.md": 1,
+    "ddp.md": 3,
+    "batch.md": 1,
+    "fsdp.md": 3,
+    "pipeline.md": 3,
+    "parallelism.md": 1,
+    "checkpoints.md": 1,
+    "cluster.md": 1,
+}  # at least
 PAGES = [ROOT / "docs" / name for name in LEAST]
 CHECK = re.compile(r"<!-- check: (.*?) -->")
 FORMS = [
     ("prints", re.compile(r'(?P<run>\S+\.json) prints "(?P<text>[^"]+)"$')),
     ("exits", re.compile(r"(?P<run>\S+\.json) exits (?P<code>\d+)$")),
     ("equals", re.compile(r"(?P<run>\S+\.json) (?P<key>\S+) == (?P<value>.+)$")),
-    ("near", re.compile(r"(?P<run>\S+\.json) (?P<key>\S+) ~ (?P<other>\S+\.json) (?P<other_key>\S+) within (?P<tol>\S+)$")),
-    ("far", re.compile(r"(?P<run>\S+\.json) (?P<key>\S+) !~ (?P<other>\S+\.json) (?P<other_key>\S+) beyond (?P<tol>\S+)$")),
-    ("between", re.compile(r"(?P<run>\S+\.json) (?P<key>\S+) between (?P<low>\S+) "
-                           r"and (?P<high>\S+)$")),
+    (
+        "near",
+        re.compile(
+            r"(?P<run>\S+\.json) (?P<key>\S+) ~ (?P<other>\S+\.json) (?P<other_key>\S+) within (?P<tol>\S+)$"
+        ),
+    ),
+    (
+        "far",
+        re.compile(
+            r"(?P<run>\S+\.json) (?P<key>\S+) !~ (?P<other>\S+\.json) (?P<other_key>\S+) beyond (?P<tol>\S+)$"
+        ),
+    ),
+    (
+        "between",
+        re.compile(
+            r"(?P<run>\S+\.json) (?P<key>\S+) between (?P<low>\S+) "
+            r"and (?P<high>\S+)$"
+        ),
+    ),
 ]
 
 
@@ -78,9 +101,15 @@ def exercises(page):
     found = []
     for part in re.split(r"^### ", match.group(1), flags=re.M)[1:]:
         title = part.splitlines()[0]
-        shape = re.fullmatch(r".*?\n```bash\n(?P<commands>.*?)\n```\n(?P<question>.*?)"
-                             r"<details><summary>Answer</summary>\n(?P<answer>.*?)</details>\s*", part, re.S)
-        assert shape, f"{page.name}, exercise {title!r}: not a bash block, a question, then a folded answer"
+        shape = re.fullmatch(
+            r".*?\n```bash\n(?P<commands>.*?)\n```\n(?P<question>.*?)"
+            r"<details><summary>Answer</summary>\n(?P<answer>.*?)</details>\s*",
+            part,
+            re.S,
+        )
+        assert shape, (
+            f"{page.name}, exercise {title!r}: not a bash block, a question, then a folded answer"
+        )
         lines = shape["commands"].replace("\\\n", " ").splitlines()
         commands = [shlex.split(line) for line in lines if line.strip()]
         checks = [parse_check(check) for check in CHECK.findall(shape["answer"])]
@@ -90,7 +119,9 @@ def exercises(page):
 
 
 def run_name(words):
-    assert "--metrics" in words, f"{' '.join(words)}: an exercise's command names its run with --metrics NAME.json"
+    assert "--metrics" in words, (
+        f"{' '.join(words)}: an exercise's command names its run with --metrics NAME.json"
+    )
     return words[words.index("--metrics") + 1]
 
 
@@ -101,7 +132,12 @@ def all_commands():
 
 def is_edit(words):
     """`sed 'EDIT' train_*.py > BROKEN.py`: the copy an exercise breaks."""
-    return words[0] == "sed" and len(words) == 5 and words[3] == ">" and re.fullmatch(r"train_\w+\.py", words[2])
+    return (
+        words[0] == "sed"
+        and len(words) == 5
+        and words[3] == ">"
+        and re.fullmatch(r"train_\w+\.py", words[2])
+    )
 
 
 def edits():
@@ -110,7 +146,9 @@ def edits():
     for page in PAGES:
         for title, commands, *_ in exercises(page):
             for words in filter(is_edit, commands):
-                assert made.setdefault(words[4], words) == words, f"{words[4]} is made by two different edits"
+                assert made.setdefault(words[4], words) == words, (
+                    f"{words[4]} is made by two different edits"
+                )
     return made
 
 
@@ -150,16 +188,27 @@ def test_every_page_has_its_exercises_in_the_format():
             assert commands and question and checks, where
             made = [words[4] for words in commands if is_edit(words)]
             for words in commands:
-                assert (words[0].startswith("NPROC_PER_NODE=") and words[1:2] == ["bash"]) or words[0] == "python" \
-                    or is_edit(words), f"{where}: {' '.join(words)}"
+                assert (
+                    (words[0].startswith("NPROC_PER_NODE=") and words[1:2] == ["bash"])
+                    or words[0] == "python"
+                    or is_edit(words)
+                ), f"{where}: {' '.join(words)}"
                 if words[2:3] == ["launch.sh"]:
-                    assert words[3] in made, f"{where}: {words[3]} is not made by a sed line above it"
+                    assert words[3] in made, (
+                        f"{where}: {words[3]} is not made by a sed line above it"
+                    )
             for kind, fields in checks:
-                assert fields["run"] in runs and fields.get("other", fields["run"]) in runs, f"{where}: {fields}"
+                assert fields["run"] in runs and fields.get("other", fields["run"]) in runs, (
+                    f"{where}: {fields}"
+                )
                 if kind == "prints":
-                    assert fields["text"] in visible, f"{where}: the answer does not state {fields['text']!r}"
+                    assert fields["text"] in visible, (
+                        f"{where}: the answer does not state {fields['text']!r}"
+                    )
                 if kind == "equals":
-                    missing = [n for n in numbers(json.loads(fields["value"])) if not states(n, visible)]
+                    missing = [
+                        n for n in numbers(json.loads(fields["value"])) if not states(n, visible)
+                    ]
                     assert not missing, f"{where}: the answer does not state {missing}"
                 if kind == "between":
                     assert float(fields["low"]) < float(fields["high"]), f"{where}: {fields}"
@@ -167,7 +216,9 @@ def test_every_page_has_its_exercises_in_the_format():
                     assert not missing, f"{where}: the answer does not state {missing}"
             near = [float(fields["tol"]) for kind, fields in checks if kind == "near"]
             far = [float(fields["tol"]) for kind, fields in checks if kind == "far"]
-            assert not near or (far and min(far) >= 100 * max(near)), f"{where}: a tolerance needs a negative control"
+            assert not near or (far and min(far) >= 100 * max(near)), (
+                f"{where}: a tolerance needs a negative control"
+            )
 
 
 class Runs:
@@ -182,7 +233,9 @@ class Runs:
         plumbing and models (child_env's PYTHONPATH)."""
         sed = self.edits[name]
         made = subprocess.run(sed[:3], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-        assert made != (ROOT / sed[2]).read_text(), f"{' '.join(sed)} changes nothing: the script changed"
+        assert made != (ROOT / sed[2]).read_text(), (
+            f"{' '.join(sed)} changes nothing: the script changed"
+        )
         (self.directory / name).write_text(made)
         return self.directory / name
 
@@ -192,7 +245,7 @@ class Runs:
             for earlier in sorted(before):
                 self[earlier]
             words = list(words)
-            args = words[words.index("bash") + 2:] if words[0] != "python" else words[2:]
+            args = words[words.index("bash") + 2 :] if words[0] != "python" else words[2:]
             for flag in ("--metrics", "--log-dir", "--checkpoint-dir", "--out"):
                 if flag in args:
                     args[args.index(flag) + 1] = str(self.directory / args[args.index(flag) + 1])
@@ -200,26 +253,38 @@ class Runs:
                 run = python(words[1], *args)
             elif words[2] == "launch.sh":
                 env = launcher_env(NPROC_PER_NODE=words[0].split("=", 1)[1])
-                run = Run(["bash", ROOT / "launch.sh", self.broken_copy(words[3]), *args[1:]], env=env)
+                run = Run(
+                    ["bash", ROOT / "launch.sh", self.broken_copy(words[3]), *args[1:]], env=env
+                )
             else:
-                script = Path(words[words.index("bash") + 1]).name.replace("run_", "train_").replace(".sh", ".py")
+                script = (
+                    Path(words[words.index("bash") + 1])
+                    .name.replace("run_", "train_")
+                    .replace(".sh", ".py")
+                )
                 run = run_sh(script, int(words[0].split("=", 1)[1]), *args)
             run.wait()
             path = self.directory / name
             metrics = json.loads(path.read_text()) if path.exists() else None
-            output = "\n".join(line for line in run.output.splitlines() if not line.startswith("launch.sh:"))
+            output = "\n".join(
+                line for line in run.output.splitlines() if not line.startswith("launch.sh:")
+            )
             self.done[name] = (run.returncode, output, metrics)
         return self.done[name]
 
     def value(self, name, key):
         returncode, output, metrics = self[name]
-        assert returncode == 0 and metrics is not None, f"{name}: exit code {returncode}\n{output[-3000:]}"
+        assert returncode == 0 and metrics is not None, (
+            f"{name}: exit code {returncode}\n{output[-3000:]}"
+        )
         values = [metrics]
         for part in key.split("."):
             if part == "*":
                 values = [item for value in values for item in value]
             else:
-                values = [value[int(part)] if isinstance(value, list) else value[part] for value in values]
+                values = [
+                    value[int(part)] if isinstance(value, list) else value[part] for value in values
+                ]
         return values if "*" in key.split(".") else values[0]
 
 
@@ -229,8 +294,11 @@ def runs(tmp_path_factory):
 
 
 def all_exercises():
-    return [pytest.param(page, index, id=f"{page.stem}-{index + 1}")
-            for page in PAGES for index in range(len(exercises(page)))]
+    return [
+        pytest.param(page, index, id=f"{page.stem}-{index + 1}")
+        for page in PAGES
+        for index in range(len(exercises(page)))
+    ]
 
 
 @pytest.mark.slow
@@ -245,7 +313,9 @@ def test_the_exercise_answers_are_what_the_runs_give(runs, page, index):
             if kind == "prints":
                 assert fields["text"] in output, f"{where}\n{output[-3000:]}"
             else:
-                assert returncode == int(fields["code"]), f"{where}: exit code {returncode}\n{output[-3000:]}"
+                assert returncode == int(fields["code"]), (
+                    f"{where}: exit code {returncode}\n{output[-3000:]}"
+                )
         elif kind == "equals":
             assert runs.value(fields["run"], fields["key"]) == json.loads(fields["value"]), where
         elif kind == "between":

@@ -11,15 +11,24 @@ import shutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 from conftest import (
-    EQUIVALENCE, assert_one_line_error, assert_same_math, child_env, load_weights, mnist_args, python, run_sh,
-    succeeded, torchrun,
+    EQUIVALENCE,
+    assert_one_line_error,
+    assert_same_math,
+    child_env,
+    load_weights,
+    mnist_args,
+    python,
+    run_sh,
+    succeeded,
+    torchrun,
 )
 
 GPUS = torch.cuda.device_count()
 RANKS = min(2, GPUS)
-pytestmark = pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU visible to torch: the GPU tests need one")
+pytestmark = pytest.mark.skipif(
+    GPUS == 0, reason="no CUDA GPU visible to torch: the GPU tests need one"
+)
 
 
 def gpu_env(**extra):
@@ -32,62 +41,168 @@ def gpu_env(**extra):
     return env
 
 
-@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp.py", "train_pippy.py", "train_tp.py"])
+@pytest.mark.parametrize(
+    "script", ["train_ddp.py", "train_fsdp.py", "train_pippy.py", "train_tp.py"]
+)
 def test_each_script_learns_on_gpus_with_nccl(script, mnist_dir, tmp_path):
     metrics_path = tmp_path / "metrics.json"
-    run = succeeded(torchrun(script, RANKS, *mnist_args(mnist_dir), "--device", "cuda", "--epochs", "4",
-                             "--batch-size", "32", "--metrics", metrics_path, env=gpu_env()))
+    run = succeeded(
+        torchrun(
+            script,
+            RANKS,
+            *mnist_args(mnist_dir),
+            "--device",
+            "cuda",
+            "--epochs",
+            "4",
+            "--batch-size",
+            "32",
+            "--metrics",
+            metrics_path,
+            env=gpu_env(),
+        )
+    )
     assert "(nccl, cuda)" in run.output
     metrics = json.loads(metrics_path.read_text())
     assert metrics["test_accuracy"] > 0.7  # chance is 0.1
-    assert all(r["peak_memory_bytes"] > 0 for r in metrics["ranks"])  # CUDA's max allocated, per rank
+    assert all(
+        r["peak_memory_bytes"] > 0 for r in metrics["ranks"]
+    )  # CUDA's max allocated, per rank
 
 
-@pytest.mark.parametrize("script, flags", [("train_ddp.py", ["--precision", "bf16"]),
-                                           ("train_fsdp.py", ["--precision", "bf16", "--cpu-offload"])],
-                         ids=["ddp-bf16", "fsdp-bf16-cpu-offload"])
+@pytest.mark.parametrize(
+    "script, flags",
+    [
+        ("train_ddp.py", ["--precision", "bf16"]),
+        ("train_fsdp.py", ["--precision", "bf16", "--cpu-offload"]),
+    ],
+    ids=["ddp-bf16", "fsdp-bf16-cpu-offload"],
+)
 def test_bf16_and_cpu_offload_learn(script, flags, mnist_dir, tmp_path):
     metrics_path = tmp_path / "metrics.json"
-    succeeded(torchrun(script, RANKS, *mnist_args(mnist_dir), "--device", "cuda", "--epochs", "4", "--batch-size", "32",
-                       *flags, "--metrics", metrics_path, env=gpu_env()))
+    succeeded(
+        torchrun(
+            script,
+            RANKS,
+            *mnist_args(mnist_dir),
+            "--device",
+            "cuda",
+            "--epochs",
+            "4",
+            "--batch-size",
+            "32",
+            *flags,
+            "--metrics",
+            metrics_path,
+            env=gpu_env(),
+        )
+    )
     metrics = json.loads(metrics_path.read_text())
     curve = [loss for _, loss, _ in metrics["loss_curve"]]
-    assert curve[-1] < curve[0] / 2 and metrics["test_accuracy"] > 0.5, (curve, metrics["test_accuracy"])
+    assert curve[-1] < curve[0] / 2 and metrics["test_accuracy"] > 0.5, (
+        curve,
+        metrics["test_accuracy"],
+    )
 
 
 def test_a_gpu_run_does_the_same_math_as_the_cpu_reference(reference, control, mnist_dir, tmp_path):
     # float64, as the CPU equivalence tests: cuDNN's kernels sum in other orders than the CPU's.
     path = tmp_path / "gpu.pt"
-    succeeded(python("train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "32", "--device", "cuda",
-                     "--save", path, env=gpu_env()))
+    succeeded(
+        python(
+            "train_ddp.py",
+            *mnist_args(mnist_dir),
+            *EQUIVALENCE,
+            "--batch-size",
+            "32",
+            "--device",
+            "cuda",
+            "--save",
+            path,
+            env=gpu_env(),
+        )
+    )
     assert_same_math(load_weights(path), reference, control)
 
 
 # train_ddp.py --compile on one GPU: CUDA graphs (mode="reduce-overhead"), and with --grad-accum 2 the gradient buffers
 # the graphs cannot reuse; on RANKS GPUs, inside DDP. train_fsdp.py compiles each block, without CUDA graphs.
-@pytest.mark.parametrize("script, processes, accumulate", [("train_ddp.py", 1, 1), ("train_ddp.py", 1, 2),
-                                                           ("train_ddp.py", RANKS, 1), ("train_fsdp.py", RANKS, 1)],
-                         ids=["ddp-1", "ddp-1-accumulate", "ddp", "fsdp"])
-def test_compiled_runs_do_the_same_math_as_eager_ones(script, processes, accumulate, reference, control, mnist_dir,
-                                                      tmp_path):
+@pytest.mark.parametrize(
+    "script, processes, accumulate",
+    [
+        ("train_ddp.py", 1, 1),
+        ("train_ddp.py", 1, 2),
+        ("train_ddp.py", RANKS, 1),
+        ("train_fsdp.py", RANKS, 1),
+    ],
+    ids=["ddp-1", "ddp-1-accumulate", "ddp", "fsdp"],
+)
+def test_compiled_runs_do_the_same_math_as_eager_ones(
+    script, processes, accumulate, reference, control, mnist_dir, tmp_path
+):
     path = tmp_path / "compiled.pt"
-    succeeded(torchrun(script, processes, *mnist_args(mnist_dir), *EQUIVALENCE,
-                       "--batch-size", str(32 // processes // accumulate), "--grad-accum", str(accumulate),
-                       "--device", "cuda", "--compile", "--save", path, env=gpu_env()))
+    succeeded(
+        torchrun(
+            script,
+            processes,
+            *mnist_args(mnist_dir),
+            *EQUIVALENCE,
+            "--batch-size",
+            str(32 // processes // accumulate),
+            "--grad-accum",
+            str(accumulate),
+            "--device",
+            "cuda",
+            "--compile",
+            "--save",
+            path,
+            env=gpu_env(),
+        )
+    )
     assert_same_math(load_weights(path), reference, control)
 
 
 def test_a_checkpoint_resumes_on_gpus_with_every_random_state(mnist_dir, tmp_path):
-    common = [*mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", str(32 // RANKS), "--device", "cuda",
-              "--checkpoint-every", "12"]
-    succeeded(torchrun("train_ddp.py", RANKS, *common, "--checkpoint-dir", tmp_path / "ck", "--save", tmp_path / "a.pt",
-                       env=gpu_env()))
+    common = [
+        *mnist_args(mnist_dir),
+        *EQUIVALENCE,
+        "--batch-size",
+        str(32 // RANKS),
+        "--device",
+        "cuda",
+        "--checkpoint-every",
+        "12",
+    ]
+    succeeded(
+        torchrun(
+            "train_ddp.py",
+            RANKS,
+            *common,
+            "--checkpoint-dir",
+            tmp_path / "ck",
+            "--save",
+            tmp_path / "a.pt",
+            env=gpu_env(),
+        )
+    )
     info = json.loads((tmp_path / "ck" / "step-12" / "checkpoint.json").read_text())
-    saved = dcp.FileSystemReader(str(tmp_path / "ck" / "step-12")).read_metadata().state_dict_metadata
+    saved = (
+        dcp.FileSystemReader(str(tmp_path / "ck" / "step-12")).read_metadata().state_dict_metadata
+    )
     assert info["layout"]["device"] == "cuda" and {"rng.rank0.cpu", "rng.rank0.cuda"} <= set(saved)
     shutil.rmtree(tmp_path / "ck" / "step-24")  # as if the job had stopped after step 12
-    run = succeeded(torchrun("train_ddp.py", RANKS, *common, "--checkpoint-dir", tmp_path / "ck",
-                             "--save", tmp_path / "b.pt", env=gpu_env()))
+    run = succeeded(
+        torchrun(
+            "train_ddp.py",
+            RANKS,
+            *common,
+            "--checkpoint-dir",
+            tmp_path / "ck",
+            "--save",
+            tmp_path / "b.pt",
+            env=gpu_env(),
+        )
+    )
     assert "resumed from" in run.output
     # cuDNN's backward may add in another order from run to run, so the same float64 tolerance applies.
     resumed, uninterrupted = load_weights(tmp_path / "b.pt"), load_weights(tmp_path / "a.pt")
@@ -97,5 +212,9 @@ def test_a_checkpoint_resumes_on_gpus_with_every_random_state(mnist_dir, tmp_pat
 def test_more_processes_than_gpus_is_one_line_per_node(mnist_dir):
     # Through run_ddp.sh, as a user launches it: when torchrun stops rank 0 before it speaks (rank 1 failed first),
     # the launcher prints rank 1's line.
-    run = run_sh("train_ddp.py", GPUS + 1, *mnist_args(mnist_dir), "--device", "cuda", env=gpu_env()).wait()
-    assert_one_line_error(run, f"{GPUS + 1} processes on this node need {GPUS + 1} GPUs, but torch sees {GPUS}")
+    run = run_sh(
+        "train_ddp.py", GPUS + 1, *mnist_args(mnist_dir), "--device", "cuda", env=gpu_env()
+    ).wait()
+    assert_one_line_error(
+        run, f"{GPUS + 1} processes on this node need {GPUS + 1} GPUs, but torch sees {GPUS}"
+    )

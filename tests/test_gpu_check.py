@@ -8,7 +8,6 @@ import shutil
 import sys
 
 import pytest
-
 from conftest import ROOT, Run, child_env
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -33,10 +32,19 @@ def test_the_dry_run_lists_every_step_and_every_command_parses(tmp_path):
     verified = json.loads((tmp_path / "verify.json").read_text())
     assert verified == {"checked": len(commands), "problems": []} and len(commands) >= 18, verified
     launched = {word for argv in commands for word in argv[:2]}
-    assert {"run_ddp.sh", "run_fsdp.sh", "run_pippy.sh", "run_tp.sh", "train_ddp.py",
-            "benchmarks/bare_loop.py"} <= launched, launched
-    assert all("--device" in argv and argv[argv.index("--device") + 1] == "cuda"
-               for argv in commands if "--metrics" in argv)  # every run on the GPU
+    assert {
+        "run_ddp.sh",
+        "run_fsdp.sh",
+        "run_pippy.sh",
+        "run_tp.sh",
+        "train_ddp.py",
+        "benchmarks/bare_loop.py",
+    } <= launched, launched
+    assert all(
+        "--device" in argv and argv[argv.index("--device") + 1] == "cuda"
+        for argv in commands
+        if "--metrics" in argv
+    )  # every run on the GPU
     # The table: a row for each step, the rung that does not exist yet, what needs 2 GPUs.
     table = (tmp_path / "summary.md").read_text()
     assert "A dry run: nothing ran" in table
@@ -56,15 +64,21 @@ def test_a_copy_whose_scripts_changed_fails_the_dry_run_or_runs_more(tmp_path):
     # the transformer rung (issue 43) may add it: the check must then run it, not say it is absent.
     copy = tmp_path / "copy"
     for folder in ("plumbing", "models", "benchmarks"):  # what the check reads, not the data
-        shutil.copytree(ROOT / folder, copy / folder,
-                        ignore=shutil.ignore_patterns("mnist", "results", "__pycache__"))
+        shutil.copytree(
+            ROOT / folder,
+            copy / folder,
+            ignore=shutil.ignore_patterns("mnist", "results", "__pycache__"),
+        )
     for path in [*ROOT.glob("*.py"), *ROOT.glob("*.sh"), ROOT / "tests" / "test_gpu.py"]:
         (copy / path.relative_to(ROOT)).parent.mkdir(exist_ok=True)
         shutil.copy2(path, copy / path.relative_to(ROOT))
     edit(copy / "plumbing" / "core.py", 'add("--no-eval"', 'add("--skip-eval"')
     parser = "    parser = core.parser(__doc__.splitlines()[0], data.add_arguments)\n"
-    edit(copy / "train_ddp.py", parser,
-         parser + '    parser.add_argument("--model", choices=("cnn", "gpt"), default="cnn")\n')
+    edit(
+        copy / "train_ddp.py",
+        parser,
+        parser + '    parser.add_argument("--model", choices=("cnn", "gpt"), default="cnn")\n',
+    )
     run = dry_run(copy, tmp_path / "out")
     assert run.returncode == 1, run.output[-3000:]
     assert "train_ddp.py has no flag --no-eval" in run.output, run.output[-3000:]

@@ -3,12 +3,20 @@ Rank 0 reads the file and broadcasts each weight, so a node holds it once, not o
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from conftest import (
-    CONTROL_FLOOR, EQUIVALENCE, TOLERANCE, assert_one_line_error, launch, load_weights, mnist_args, python,
-    relative_difference, succeeded, torchrun,
+    CONTROL_FLOOR,
+    EQUIVALENCE,
+    TOLERANCE,
+    assert_one_line_error,
+    launch,
+    load_weights,
+    mnist_args,
+    python,
+    relative_difference,
+    succeeded,
+    torchrun,
 )
+from safetensors.torch import save_file
 
 LAYOUTS = {  # global batch 32 each, as the one process of the reference
     "ddp-1": ("train_ddp.py", 1, ["--batch-size", "32"]),
@@ -22,41 +30,106 @@ LAYOUTS = {  # global batch 32 each, as the one process of the reference
 def trained(mnist_dir, tmp_path_factory):
     """A file of another run's final weights (fp32, 10 steps), and the run from it on one process: the reference."""
     directory = tmp_path_factory.mktemp("init")
-    succeeded(python("train_ddp.py", *mnist_args(mnist_dir), "--max-steps", "10", "--no-eval", "--save",
-                     directory / "trained.pt"))
+    succeeded(
+        python(
+            "train_ddp.py",
+            *mnist_args(mnist_dir),
+            "--max-steps",
+            "10",
+            "--no-eval",
+            "--save",
+            directory / "trained.pt",
+        )
+    )
     save_file(load_weights(directory / "trained.pt"), directory / "trained.safetensors")
-    run = succeeded(python("train_ddp.py", *mnist_args(mnist_dir), *EQUIVALENCE, *LAYOUTS["ddp-1"][2], "--init-from",
-                           directory / "trained.pt", "--save", directory / "reference.pt"))
+    run = succeeded(
+        python(
+            "train_ddp.py",
+            *mnist_args(mnist_dir),
+            *EQUIVALENCE,
+            *LAYOUTS["ddp-1"][2],
+            "--init-from",
+            directory / "trained.pt",
+            "--save",
+            directory / "reference.pt",
+        )
+    )
     assert f"initialised the model from {directory / 'trained.pt'}" in run.output
     return directory
 
 
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=[] if name == "fsdp-2" else pytest.mark.slow)
-                                    for name in LAYOUTS if name != "ddp-1"])
-def test_every_strategy_starts_from_the_file_as_one_process_does(layout, trained, reference, mnist_dir, tmp_path):
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(name, marks=[] if name == "fsdp-2" else pytest.mark.slow)
+        for name in LAYOUTS
+        if name != "ddp-1"
+    ],
+)
+def test_every_strategy_starts_from_the_file_as_one_process_does(
+    layout, trained, reference, mnist_dir, tmp_path
+):
     """24 fp64 steps from the file's weights: FSDP on 2 ranks, 2 pipeline stages, TP 2 (FSDP's reads the .safetensors
     copy) end where one process ends (1e-16 apart here), and far from where one process ends without the file."""
     script, ranks, flags = LAYOUTS[layout]
     source = trained / ("trained.safetensors" if layout == "fsdp-2" else "trained.pt")
-    succeeded(torchrun(script, ranks, *mnist_args(mnist_dir), *EQUIVALENCE, *flags, "--init-from", source,
-                       "--save", tmp_path / "final.pt"))
+    succeeded(
+        torchrun(
+            script,
+            ranks,
+            *mnist_args(mnist_dir),
+            *EQUIVALENCE,
+            *flags,
+            "--init-from",
+            source,
+            "--save",
+            tmp_path / "final.pt",
+        )
+    )
     control = reference  # conftest's: the same one-process run without --init-from, from BabyCNN's seeded weights
-    reference, initial = load_weights(trained / "reference.pt"), load_weights(trained / "trained.pt")
+    reference, initial = (
+        load_weights(trained / "reference.pt"),
+        load_weights(trained / "trained.pt"),
+    )
     assert relative_difference(control, reference, initial) > CONTROL_FLOOR
     assert relative_difference(load_weights(tmp_path / "final.pt"), reference, initial) < TOLERANCE
 
 
 @pytest.mark.slow  # four launches
-def test_a_file_that_does_not_fit_is_one_line_and_a_checkpoint_wins_over_it(trained, mnist_dir, tmp_path):
+def test_a_file_that_does_not_fit_is_one_line_and_a_checkpoint_wins_over_it(
+    trained, mnist_dir, tmp_path
+):
     wide = tmp_path / "wide.pt"
-    torch.save({name: torch.zeros(2, *t.shape[1:]) if name == "blocks.0.conv1.weight" else t
-                for name, t in load_weights(trained / "trained.pt").items()}, wide)
-    run = launch("train_fsdp.py", 2, *mnist_args(mnist_dir), "--max-steps", "2", "--init-from", wide).wait()
-    assert_one_line_error(run, f"--init-from {wide} does not fit this model: blocks.0.conv1.weight is [2, 1, 3, 3] "
-                               "there, [8, 1, 3, 3] here")
-    args = [*mnist_args(mnist_dir), "--checkpoint-every", "2", "--no-eval", "--checkpoint-dir", tmp_path / "ck",
-            "--init-from", trained / "trained.pt"]
+    torch.save(
+        {
+            name: torch.zeros(2, *t.shape[1:]) if name == "blocks.0.conv1.weight" else t
+            for name, t in load_weights(trained / "trained.pt").items()
+        },
+        wide,
+    )
+    run = launch(
+        "train_fsdp.py", 2, *mnist_args(mnist_dir), "--max-steps", "2", "--init-from", wide
+    ).wait()
+    assert_one_line_error(
+        run,
+        f"--init-from {wide} does not fit this model: blocks.0.conv1.weight is [2, 1, 3, 3] "
+        "there, [8, 1, 3, 3] here",
+    )
+    args = [
+        *mnist_args(mnist_dir),
+        "--checkpoint-every",
+        "2",
+        "--no-eval",
+        "--checkpoint-dir",
+        tmp_path / "ck",
+        "--init-from",
+        trained / "trained.pt",
+    ]
     succeeded(python("train_ddp.py", *args, "--max-steps", "4"))
-    run = succeeded(python("train_ddp.py", *args, "--max-steps", "6"))  # a requeued job: it resumes at step 4
+    run = succeeded(
+        python("train_ddp.py", *args, "--max-steps", "6")
+    )  # a requeued job: it resumes at step 4
     assert f"resumed from {tmp_path / 'ck'}/step-4 " in run.output
-    assert f"--init-from {trained / 'trained.pt'} is not used: the checkpoint is newer" in run.output
+    assert (
+        f"--init-from {trained / 'trained.pt'} is not used: the checkpoint is newer" in run.output
+    )

@@ -14,11 +14,20 @@ import time
 
 import pytest
 import torch
-
 from conftest import ROOT, launcher_env, mnist_args
+
 from plumbing import core
 
-RUN = ["--epochs", "5", "--max-steps", "120", "--log-every", "10", "--batch-size", "16"]  # the stop saves a checkpoint
+RUN = [
+    "--epochs",
+    "5",
+    "--max-steps",
+    "120",
+    "--log-every",
+    "10",
+    "--batch-size",
+    "16",
+]  # the stop saves a checkpoint
 
 
 class Terminal:
@@ -28,8 +37,15 @@ class Terminal:
     def __init__(self, args, env):
         self.master, replica = pty.openpty()
         fcntl.ioctl(replica, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))
-        self.process = subprocess.Popen(["bash", ROOT / "run_ddp.sh", *args], stdin=replica, stdout=replica,
-                                        stderr=replica, env=env, cwd=ROOT, start_new_session=True)
+        self.process = subprocess.Popen(
+            ["bash", ROOT / "run_ddp.sh", *args],
+            stdin=replica,
+            stdout=replica,
+            stderr=replica,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
         os.close(replica)
         self.raw = b""
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -54,15 +70,26 @@ class Terminal:
     def screen(self):
         """The lines as a terminal leaves them: of each, what follows its last carriage return (tqdm redraws a line
         by going back to its start), less the escape sequences that clear or move."""
-        text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", self.raw.decode(errors="replace")).replace("\r\n", "\n")
-        return [line.rsplit("\r", 1)[-1].rstrip() for line in text.split("\n") if line.rsplit("\r", 1)[-1].strip()]
+        text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", self.raw.decode(errors="replace")).replace(
+            "\r\n", "\n"
+        )
+        return [
+            line.rsplit("\r", 1)[-1].rstrip()
+            for line in text.split("\n")
+            if line.rsplit("\r", 1)[-1].strip()
+        ]
 
     def bars(self):
         """Every state of the bar drawn: (steps done, total)."""
-        return [tuple(map(int, m)) for m in re.findall(r"\| *(\d+)/(\d+) \[", self.raw.decode(errors="replace"))]
+        return [
+            tuple(map(int, m))
+            for m in re.findall(r"\| *(\d+)/(\d+) \[", self.raw.decode(errors="replace"))
+        ]
 
 
-def test_a_terminal_shows_one_bar_a_stop_line_and_a_resume_that_starts_at_its_checkpoint(mnist_dir, tmp_path):
+def test_a_terminal_shows_one_bar_a_stop_line_and_a_resume_that_starts_at_its_checkpoint(
+    mnist_dir, tmp_path
+):
     """In a terminal rank 0 draws a bar (tqdm) instead of step lines: steps done of the total, epoch, the all-rank
     loss, samples/s, the time left. Ctrl-C stops at a checkpoint with its one line, the last; the same command
     resumes, and its bar starts at that checkpoint's step. (In a pipe, a line per logging step and no carriage return:
@@ -74,18 +101,28 @@ def test_a_terminal_shows_one_bar_a_stop_line_and_a_resume_that_starts_at_its_ch
     while not any(done >= 30 for done, _ in first.bars()) and first.process.poll() is None:
         assert time.monotonic() < deadline, first.raw[-2000:]
         time.sleep(0.05)
-    os.killpg(first.process.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground process group
+    os.killpg(
+        first.process.pid, signal.SIGINT
+    )  # what Ctrl-C does: the whole foreground process group
     assert first.wait() == 130, first.raw[-2000:]
     screen = first.screen()
     stops = [line for line in screen if line.startswith("stopped by SIGINT")]
-    assert len(stops) == 1 and re.fullmatch(r"stopped by SIGINT at step (\d+) of 120: checkpoint step-\1 is in "
-                                            r".*ck; the same command resumes there", stops[0]), screen
+    assert len(stops) == 1 and re.fullmatch(
+        r"stopped by SIGINT at step (\d+) of 120: checkpoint step-\1 is in "
+        r".*ck; the same command resumes there",
+        stops[0],
+    ), screen
     assert screen[-1] == stops[0], screen  # the last line: the bar (closed) stays above it
     stopped_at = int(re.search(r"at step (\d+)", stops[0]).group(1))
-    assert not [line for line in screen if line.startswith("step ")], screen  # no plain step lines in a terminal
+    assert not [line for line in screen if line.startswith("step ")], (
+        screen
+    )  # no plain step lines in a terminal
     bar = next(line for line in reversed(screen) if "step/s" in line or "s/step" in line)
-    assert re.match(rf"epoch \d: +\d+%\|.*\| {stopped_at}/120 \[\d\d:\d\d<\d\d:\d\d, .*loss \(all ranks\) \d\.\d{{4}}, "
-                    r"[\d,]+ samples/s\]$", bar), bar
+    assert re.match(
+        rf"epoch \d: +\d+%\|.*\| {stopped_at}/120 \[\d\d:\d\d<\d\d:\d\d, .*loss \(all ranks\) \d\.\d{{4}}, "
+        r"[\d,]+ samples/s\]$",
+        bar,
+    ), bar
 
     second = Terminal(args, env)
     assert second.wait() == 0, second.raw[-2000:]
@@ -94,24 +131,43 @@ def test_a_terminal_shows_one_bar_a_stop_line_and_a_resume_that_starts_at_its_ch
     assert not [line for line in second.screen() if line.startswith("step ")]
 
 
-
-def test_without_tensorboard_the_log_dir_says_so_once_and_writes_the_csv(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as where it is not installed: import fails
+def test_without_tensorboard_the_log_dir_says_so_once_and_writes_the_csv(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setitem(
+        sys.modules, "torch.utils.tensorboard", None
+    )  # as where it is not installed: import fails
     rows = core.MetricsLog(str(tmp_path), 0)
     rows.write(step=10, epoch=1, train_loss=0.5, lr=0.1, grad_norm=None, samples_per_second=100.0)
-    assert capsys.readouterr().out == (f"--log-dir: writing {tmp_path}/metrics.csv; no TensorBoard events (pip install "
-                                       "tensorboard for them)\n")
-    assert (tmp_path / "metrics.csv").read_text() == ("step,epoch,train_loss,lr,grad_norm,samples_per_second,test_loss,"
-                                                      "test_accuracy\n10,1,0.5,0.1,,100.0,,\n")
+    assert capsys.readouterr().out == (
+        f"--log-dir: writing {tmp_path}/metrics.csv; no TensorBoard events (pip install "
+        "tensorboard for them)\n"
+    )
+    assert (tmp_path / "metrics.csv").read_text() == (
+        "step,epoch,train_loss,lr,grad_norm,samples_per_second,test_loss,"
+        "test_accuracy\n10,1,0.5,0.1,,100.0,,\n"
+    )
 
 
-@pytest.mark.parametrize("flags, error", [
-    (["--profile-steps", "3:2"], "argument --profile-steps: give two steps A:B, 1 <= A <= B, not '3:2'"),
-    (["--profile-steps", "2:3"], "--profile-steps 2:3 needs --log-dir, for the traces, and steps from 1 to this run's "
-                                 "100"),
-    (["--profile-steps", "2:300", "--log-dir", "logs"], "--profile-steps 2:300 needs --log-dir, for the traces, and "
-                                                         "steps from 1 to this run's 100"),
-])
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (
+            ["--profile-steps", "3:2"],
+            "argument --profile-steps: give two steps A:B, 1 <= A <= B, not '3:2'",
+        ),
+        (
+            ["--profile-steps", "2:3"],
+            "--profile-steps 2:3 needs --log-dir, for the traces, and steps from 1 to this run's "
+            "100",
+        ),
+        (
+            ["--profile-steps", "2:300", "--log-dir", "logs"],
+            "--profile-steps 2:300 needs --log-dir, for the traces, and "
+            "steps from 1 to this run's 100",
+        ),
+    ],
+)
 def test_profile_steps_that_cannot_be_profiled_are_refused_in_one_line(flags, error):
     # UsageErrors: one line and exit code 2 from every launch (tests/test_bad_input.py shows the path)
     with pytest.raises(core.UsageError, match=re.escape(error)):

@@ -36,10 +36,17 @@ def main():
 
     assert torch.equal(gathered, all_reduced), (gathered, all_reduced)
 
-    results = {"input": mine, "broadcast": broadcast, "all_reduce": all_reduced, "reduce_scatter": shard,
-               "reduce_scatter_then_all_gather": gathered}
+    results = {
+        "input": mine,
+        "broadcast": broadcast,
+        "all_reduce": all_reduced,
+        "reduce_scatter": shard,
+        "reduce_scatter_then_all_gather": gathered,
+    }
     everyone = [None] * world_size
-    dist.all_gather_object(everyone, {"rank": rank, **{k: v.long().tolist() for k, v in results.items()}})  # to print
+    dist.all_gather_object(
+        everyone, {"rank": rank, **{k: v.long().tolist() for k, v in results.items()}}
+    )  # to print
     if rank == 0:
         print(json.dumps(everyone))
     dist.destroy_process_group()

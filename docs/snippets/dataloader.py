@@ -40,18 +40,28 @@ def main():
     # Every rank gets len(dataset) // world_size samples of each epoch's shuffled order, none of them
     # another rank's. drop_last=True leaves the last len(dataset) % world_size out; with False, the
     # sampler pads the shards to the same length by repeating samples from the start of the order.
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0, drop_last=True)
+    sampler = DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0, drop_last=True
+    )
     loader = DataLoader(
-        dataset, batch_size=32, sampler=sampler,  # the sampler shuffles: no shuffle=True here
+        dataset,
+        batch_size=32,
+        sampler=sampler,  # the sampler shuffles: no shuffle=True here
         num_workers=2,  # processes per rank that build batches while the rank trains on the last one
-        pin_memory=device.type == "cuda",  # batches in page-locked memory: the copy below can be asynchronous
+        pin_memory=device.type
+        == "cuda",  # batches in page-locked memory: the copy below can be asynchronous
         persistent_workers=True,  # keep the workers from one epoch to the next
     )
     for epoch in range(2):
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank; without it every epoch repeats
+        sampler.set_epoch(
+            epoch
+        )  # a new shuffle each epoch, the same on every rank; without it every epoch repeats
         loaded = []
         for indices, images, labels in loader:
-            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            images, labels = (
+                images.to(device, non_blocking=True),
+                labels.to(device, non_blocking=True),
+            )
             loaded += indices.tolist()
             # forward, backward and step of the DDP model here, as in train_ddp.py
         ranks = [None] * world_size

@@ -28,6 +28,16 @@ for step in range(4):
         print(f"rank {rank}: {str(error).splitlines()[0]}", flush=True)
 dump = json.loads(_dump_fr_trace_json())
 last = dump["entries"][-1]
-keep = ("collective_seq_id", "profiling_name", "input_sizes", "input_dtypes", "process_group", "timeout_ms")
-print(f"rank {rank}: {len(dump['entries'])} collectives recorded, the last:", json.dumps({k: last[k] for k in keep}))
+keep = (
+    "collective_seq_id",
+    "profiling_name",
+    "input_sizes",
+    "input_dtypes",
+    "process_group",
+    "timeout_ms",
+)
+print(
+    f"rank {rank}: {len(dump['entries'])} collectives recorded, the last:",
+    json.dumps({k: last[k] for k in keep}),
+)
 dist.destroy_process_group()

@@ -24,9 +24,13 @@ def main():
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
-    model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)).to(device),
-                device_ids=[local_rank] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # weights, gradients, optimizer state: fp32
+    model = DDP(
+        nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)).to(device),
+        device_ids=[local_rank] if device.type == "cuda" else None,
+    )
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=0.1
+    )  # weights, gradients, optimizer state: fp32
     # growth_interval: after this many steps without an overflow, the scale doubles (default 2000)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**24, growth_interval=1000)
     generator = torch.Generator().manual_seed(rank)  # each rank its own batches
@@ -39,14 +43,25 @@ def main():
         optimizer.zero_grad()
         with torch.autocast(device.type, dtype=torch.float16):  # the forward (and the loss) only
             loss = F.cross_entropy(model(inputs), labels)
-        scaler.scale(loss).backward()  # backward of loss x scale; DDP all-reduces the scaled gradients
-        scaler.unscale_(optimizer)  # divide by the scale now, if you clip: the clipping sees true gradients
+        scaler.scale(
+            loss
+        ).backward()  # backward of loss x scale; DDP all-reduces the scaled gradients
+        scaler.unscale_(
+            optimizer
+        )  # divide by the scale now, if you clip: the clipping sees true gradients
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         scaler.step(optimizer)  # skips optimizer.step() if any gradient is inf or NaN
         scaler.update()  # after a skip: scale x 0.5; after growth_interval clean steps: x 2
         stepped = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
-        records.append({"step": step, "scale": scale, "next_scale": scaler.get_scale(), "stepped": stepped,
-                        "loss": loss.item()})
+        records.append(
+            {
+                "step": step,
+                "scale": scale,
+                "next_scale": scaler.get_scale(),
+                "stepped": stepped,
+                "loss": loss.item(),
+            }
+        )
     weights = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu().tolist()
     ranks = [None] * world_size
     dist.all_gather_object(ranks, {"rank": rank, "records": records, "weights": weights})

@@ -27,8 +27,13 @@ LR = 0.1
 def batches(rank):
     """Rank r's batches: 3 + r of them, 4 samples each (seeded, so the result can be worked out by hand)."""
     generator = torch.Generator().manual_seed(rank)
-    return [(torch.randn(4, 3, generator=generator, dtype=torch.float64),
-             torch.randn(4, 1, generator=generator, dtype=torch.float64)) for _ in range(3 + rank)]
+    return [
+        (
+            torch.randn(4, 3, generator=generator, dtype=torch.float64),
+            torch.randn(4, 1, generator=generator, dtype=torch.float64),
+        )
+        for _ in range(3 + rank)
+    ]
 
 
 def make_model():
@@ -49,7 +54,9 @@ def main():
     with model.join() if use_join else nullcontext():
         for inputs, targets in batches(rank):
             optimizer.zero_grad()
-            F.mse_loss(model(inputs), targets).backward()  # all-reduces the gradients: every rank, every step
+            F.mse_loss(
+                model(inputs), targets
+            ).backward()  # all-reduces the gradients: every rank, every step
             optimizer.step()
             steps += 1
     weights = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()

@@ -46,8 +46,13 @@ def main():
     whole = copy.deepcopy(model)  # the one-process reference
     parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
 
-    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))  # the same on every rank
-    x_split, x_whole = x.clone().requires_grad_(), x.clone().requires_grad_()  # as if a layer before made it
+    x = torch.randn(
+        4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
+    )  # the same on every rank
+    x_split, x_whole = (
+        x.clone().requires_grad_(),
+        x.clone().requires_grad_(),
+    )  # as if a layer before made it
     with CommDebugMode() as forward:
         out = model(x_split)
     with CommDebugMode() as backward:
@@ -57,20 +62,36 @@ def main():
 
     # Each rank's gradients are DTensor shards: its rows of fc1's, its columns of fc2's weight.
     rows = slice(rank * 16 // world_size, (rank + 1) * 16 // world_size)
-    gradient_gap = max((model.fc1.weight.grad.to_local() - whole.fc1.weight.grad[rows]).abs().max().item(),
-                       (model.fc2.weight.grad.to_local() - whole.fc2.weight.grad[:, rows]).abs().max().item(),
-                       (x_split.grad - x_whole.grad).abs().max().item())
+    gradient_gap = max(
+        (model.fc1.weight.grad.to_local() - whole.fc1.weight.grad[rows]).abs().max().item(),
+        (model.fc2.weight.grad.to_local() - whole.fc2.weight.grad[:, rows]).abs().max().item(),
+        (x_split.grad - x_whole.grad).abs().max().item(),
+    )
     # Without fc2's all-reduce: what rank r's own slice of the hidden layer gives alone, a partial sum.
     hidden = torch.relu(x @ model.fc1.weight.to_local().T + model.fc1.bias.to_local())
     partial = hidden @ model.fc2.weight.to_local().T + model.fc2.bias.to_local()
-    mine = {"rank": rank, "parameters": sum(p.to_local().numel() for p in model.parameters()),
-            "output_gap": (out - reference).abs().max().item(), "gradient_gap": gradient_gap,
-            "partial_sum_gap": (partial - reference).abs().max().item()}
+    mine = {
+        "rank": rank,
+        "parameters": sum(p.to_local().numel() for p in model.parameters()),
+        "output_gap": (out - reference).abs().max().item(),
+        "gradient_gap": gradient_gap,
+        "partial_sum_gap": (partial - reference).abs().max().item(),
+    }
     everyone = [None] * world_size
     dist.all_gather_object(everyone, mine)
     if rank == 0:
-        print(json.dumps({"world_size": world_size, "parameters_unsplit": sum(p.numel() for p in whole.parameters()),
-                          "forward": counts(forward), "backward": counts(backward), "ranks": everyone}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "world_size": world_size,
+                    "parameters_unsplit": sum(p.numel() for p in whole.parameters()),
+                    "forward": counts(forward),
+                    "backward": counts(backward),
+                    "ranks": everyone,
+                }
+            ),
+            flush=True,
+        )
     # torch 2.14's DTensor keeps the mesh in caches for good, and the mesh keeps its groups: let go of them, or gloo's
     # threads outlive destroy_process_group, and one still letting go of the last collective's tensors at interpreter
     # shutdown aborts the process ("terminate called without an active exception"). Private; torch 2.9 has none.
