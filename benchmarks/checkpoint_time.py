@@ -2,7 +2,7 @@
 
     python benchmarks/checkpoint_time.py --width 16 --checkpoint-dir logs/ck_time
 
-One process, a process group of one. The save is plumbing/hardening.py's Checkpointer.save, as
+One process, a process group of one. The save is plumbing/checkpoints.py's Checkpointer.save, as
 every script calls it: DCP writes the weights and AdamW's two moments into .tmp-step-<N>, rank 0
 reads every file back for its SHA-256, writes checkpoint.json and renames the directory. A save is
 timed --repeats times after one untimed (the first pays for imports and file creation); the median
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import BabyCNN  # noqa: E402
-from plumbing import hardening  # noqa: E402
+from plumbing import checkpoints  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--width", type=int, default=16, help="BabyCNN's --width")
@@ -40,7 +40,7 @@ try:
     parameters = sum(p.numel() for p in model.parameters())
     options = argparse.Namespace(checkpoint_dir=args.checkpoint_dir, keep_checkpoints=1)
     os.makedirs(args.checkpoint_dir, exist_ok=True)
-    checkpointer = hardening.Checkpointer(options, "synthetic", 64, torch.device("cpu"))
+    checkpointer = checkpoints.Checkpointer(options, "synthetic", 64, torch.device("cpu"))
     seconds = []
     for step in range(args.repeats + 1):
         began = time.perf_counter()

@@ -7,7 +7,7 @@ SIGKILL after its first checkpoint. Counts the runs that restarted, finished and
     python benchmarks/copy_restarts.py --kills 5 --script train_fsdp.py
     python benchmarks/copy_restarts.py --plain      # the plain torchrun command instead of launch.sh
 
-Before each attempt's store had a prefix of its own (hardening.store_for_this_attempt), a copy without the launcher
+Before each attempt's store had a prefix of its own (failures.process_group_options), a copy without the launcher
 failed about half its restarts: pytorch issue 135712.
 """
 

@@ -1,5 +1,5 @@
 """Samples/s of two ways to make normalised training batches of the same images, no model:
-the project's on-device path (plumbing/core.py's Batches: a TensorDataset normalised once, each batch
+the project's on-device path (plumbing/training.py's Batches: a TensorDataset normalised once, each batch
 gathered by index) and the usual
 torchvision Dataset + DataLoader + ToTensor/Normalize pipeline over MNIST-format files.
 
@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.data import synthetic_digits  # noqa: E402
-from plumbing.core import Batches  # noqa: E402
+from plumbing.training import Batches  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--batches", type=int, default=200)

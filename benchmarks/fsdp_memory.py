@@ -2,8 +2,8 @@
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=2 benchmarks/fsdp_memory.py --sharding grad-op --width 32
 
-Wraps BabyCNN as train_fsdp.py does (the same mesh, fully_shard per block with the same
-reshard_after_forward, the same optional checkpoint_wrapper, the scripts' AdamW), runs --steps
+Wraps BabyCNN with train_fsdp.py's own make_mesh() and shard() (fully_shard per block, the same
+reshard_after_forward and optional checkpoint_wrapper) and the scripts' AdamW, runs --steps
 training steps on pre-made batches under torch's FSDPMemTracker (a TorchDispatchMode that follows
 every tensor's storage) and prints, from rank 0, a JSON line with the largest rank's peak over the
 last step, split into sharded and unsharded parameters, gradients, optimizer state, activations and
@@ -22,13 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import premade  # noqa: E402
 from models import BabyCNN  # noqa: E402
+from train_fsdp import make_mesh, shard  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--sharding", choices=("full", "grad-op", "hybrid"), default="full")
@@ -41,19 +39,11 @@ args = parser.parse_args()
 
 dist.init_process_group("gloo")
 rank, world_size = dist.get_rank(), dist.get_world_size()
-if args.sharding == "hybrid":
-    mesh = init_device_mesh("cpu", (args.replicate_degree, world_size // args.replicate_degree),
-                            mesh_dim_names=("replicate", "shard"))
-else:
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
+args.compile, args.precision, args.cpu_offload = False, "fp32", False  # the scripts' defaults
+mesh = make_mesh(args, torch.device("cpu"), world_size)
 torch.manual_seed(0)
 model = BabyCNN(width=args.width, device="meta")
-reshard = args.sharding != "grad-op"
-for index, block in enumerate(model.blocks):
-    if args.activation_checkpointing:
-        block = model.blocks[index] = checkpoint_wrapper(block)
-    fully_shard(block, mesh=mesh, reshard_after_forward=reshard and index != len(model.blocks) - 1)
-fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+shard(model, args, mesh)  # as train_fsdp.py shards it
 model.to_empty(device="cpu")
 model.reset_parameters()
 optimizer = premade.optimizer(model.parameters())

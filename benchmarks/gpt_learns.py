@@ -1,8 +1,8 @@
 """How fast the GPT learns Tiny Shakespeare in one process: the scripts' recipe in a bare loop.
 
 The same pieces the training scripts use (models/shakespeare.py's windows dealt by a
-DistributedSampler of one replica, core.Batches, core.make_optimizer's fused AdamW,
-core.lr_schedule's warmup and cosine, core.evaluate on the whole validation split, counting
+DistributedSampler of one replica, training.Batches, training.make_optimizer's fused AdamW,
+training.Plan's warmup and cosine, training.evaluate on the whole validation split, counting
 targets), without processes or a launcher. Prints a JSON line at each evaluation (step, training
 seconds, validation loss) and a last one with the time to --target, for choosing the recipe the
 scripts default to. One thread, as each of the issue's 2 CPU ranks has:
@@ -37,7 +37,7 @@ from torch.utils.data import DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import GPT, shakespeare
 from models.gpt import generate
-from plumbing import core
+from plumbing import training
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 add = parser.add_argument
@@ -69,18 +69,22 @@ model = GPT(train_set.vocab_size, args.block_size, args.n_layer, args.n_head, ar
 sampler = DistributedSampler(
     train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True
 )
-train_batches = core.Batches(train_set, args.batch_size, device, torch.float32)
-val_batches = core.Batches(val_set, 64, device, torch.float32)
+train_batches = training.Batches(train_set, args.batch_size, device, torch.float32)
+val_batches = training.Batches(val_set, 64, device, torch.float32)
 schedule = argparse.Namespace(
     lr=args.lr,
     optimizer="adamw",
     scale_lr=False,
     lr_schedule="cosine",
+    batch_size=args.batch_size,
+    grad_accum=1,
+    epochs=1,
+    max_steps=args.steps,
     warmup_steps=args.warmup_steps,
     weight_decay=args.weight_decay,
 )
-_, _, lr_at = core.lr_schedule(schedule, args.batch_size, args.steps)
-optimizer = core.make_optimizer(schedule, model.parameters())
+lr_at = training.Plan(schedule, args.steps * args.batch_size, 1, "shakespeare").lr
+optimizer = training.make_optimizer(schedule, model.parameters())
 print(
     json.dumps(
         {
@@ -95,7 +99,7 @@ print(
 
 def evaluate():
     model.eval()
-    loss_sum, _, count = core.evaluate(model, val_batches, 0, 1).tolist()  # over every target
+    loss_sum, _, count = training.evaluate(model, val_batches, 0, 1).tolist()  # over every target
     model.train()
     return loss_sum / count
 

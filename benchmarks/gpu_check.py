@@ -729,7 +729,7 @@ def problems_with(argv, parsers):
     unknown = [a for a in args if a.startswith("--") and a.split("=", 1)[0] not in accepted]
     if unknown:  # by exact name: argparse would take a prefix
         return [f"{script} has no flag {', '.join(unknown)}"]
-    from plumbing.core import UsageError  # the scripts' parser raises it, as one line
+    from plumbing.training import UsageError  # the scripts' parser raises it, as one line
 
     said = io.StringIO()  # --help's text; argparse's own error line
     try:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.data import synthetic_digits  # noqa: E402
-from plumbing import core  # noqa: E402
+from plumbing import training  # noqa: E402
 
 
 def batches(steps, batch_size, seed):
@@ -19,9 +19,9 @@ def batches(steps, batch_size, seed):
 def optimizer(parameters):
     """The scripts' optimizer (AdamW, fused) from their own function, with their default flags, at the peak lr
     (the scripts set the lr in their loop, step by step: a step at another lr costs the same)."""
-    args = core.parser("benchmark").parse_args([])
-    optimizer = core.make_optimizer(args, parameters)
-    peak_lr, _, _ = core.lr_schedule(args, args.base_batch_size, total_steps=1)
+    args = training.parser("benchmark").parse_args([])
+    optimizer = training.make_optimizer(args, parameters)
+    peak_lr, _ = training.peak_and_warmup(args, args.base_batch_size, total_steps=1)
     for group in optimizer.param_groups:
         group["lr"] = peak_lr
     return optimizer

@@ -1,5 +1,5 @@
 """What the stop agreement costs: steady-state samples/s of train_ddp.py on 2 CPU processes with the ranks comparing
-their signals about once a second (hardening.StopSignals.SECONDS = 1, the scripts' own), beside the same run that
+their signals about once a second (failures.StopSignals.SECONDS = 1, the scripts' own), beside the same run that
 compares only at logging steps (as the old plumbing did) and one that compares at every step. Prints a JSON line; the
 runs rotate, so a machine's drift falls on all three.
 
@@ -27,9 +27,9 @@ MODES = {"every second": 1.0, "logging steps only": float("inf"), "every step": 
 
 def train(seconds, script_args):  # in a worker: the script, with the agreement's interval set
     sys.path.insert(0, str(ROOT))
-    from plumbing import hardening
+    from plumbing import failures
 
-    hardening.StopSignals.SECONDS = seconds
+    failures.StopSignals.SECONDS = seconds
     sys.argv = ["train_ddp.py", *script_args]
     runpy.run_path(str(ROOT / "train_ddp.py"), run_name="__main__")
 

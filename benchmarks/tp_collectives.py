@@ -20,12 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.debug import CommDebugMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models import BabyCNN  # noqa: E402
-from plumbing import core  # noqa: E402
+from plumbing import watch  # noqa: E402
 from train_tp import parallelize  # noqa: E402
 
 NAMES = {"allreduce_": "all_reduce", "all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
@@ -55,7 +54,7 @@ def main():
         torch.manual_seed(0)
         model = BabyCNN(width=args.width)
         whole = sum(p.numel() for p in model.parameters())
-        parallelize(model, mesh, MixedPrecisionPolicy())
+        parallelize(model, argparse.Namespace(precision="fp32"), mesh)  # the script's own
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         images, labels = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
 
@@ -70,7 +69,7 @@ def main():
 
         step()  # the first step also sets FSDP up
         forward, backward = step()
-        state = core.memory(model, optimizer, torch.device("cpu"))["state_bytes"]
+        state = watch.memory(model, optimizer, torch.device("cpu"))["state_bytes"]
         predicted_forward = {"all_reduce": 4, **({"all_gather": 4} if dp > 1 else {})}
         predicted_backward = {"all_reduce": 3, **({"all_gather": 3, "reduce_scatter": 4} if dp > 1 else {})}
         # AdamW in fp32: 4 bytes of weight, 4 of gradient, 8 of moments a parameter, plus its step counters

@@ -8,7 +8,7 @@ JSON line; the runs alternate, so a machine's drift falls on both.
 The bar redraws at most 10 times a second from the host's clock, and the CSV row is written at logging steps, which
 already wait for the device and the other ranks: neither adds a synchronisation per step. Whole runs on a shared
 machine move by a few percent from one to the next, more than what is measured, so the script also times the host
-work alone: core.Progress's per-step cost with and without the bar and the CSV, in this process.
+work alone: watch.Progress's per-step cost with and without the bar and the CSV, in this process.
 """
 
 import argparse
@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -87,10 +88,10 @@ def _read(fd):
 
 
 def host_cost(watched, steps=20_000, log_every=20):
-    """Microseconds of host time a step spends in core.Progress: the bar drawn on a pseudo-terminal and a CSV row at
+    """Microseconds of host time a step spends in watch.Progress: the bar drawn on a pseudo-terminal and a CSV row at
     each logging step (watched), or neither; measured in this process, no training."""
     sys.path.insert(0, str(ROOT))
-    from plumbing import core
+    from plumbing import training, watch
 
     master, replica = pty.openpty()
     drain = threading.Thread(
@@ -103,19 +104,15 @@ def host_cost(watched, steps=20_000, log_every=20):
     )
     try:
         with tempfile.TemporaryDirectory() as directory:
-            progress = core.Progress(
-                steps,
-                128,
-                log_every,
-                torch.device("cpu"),
-                lambda line: None,
-                0,
-                directory if watched else None,
+            plan = types.SimpleNamespace(total_steps=steps, global_batch_size=128)
+            progress = watch.Progress(
+                plan, log_every, torch.device("cpu"), 0, directory if watched else None
             )
             progress.start_epoch(0)
             start = time.perf_counter()
             for step in range(steps):
-                if progress.update(end_of_epoch=False):
+                progress.count_step()
+                if progress.is_logging_step(end_of_epoch=False):
                     progress.record_loss(1.0, "loss (all ranks)", 1e-3)
             seconds = time.perf_counter() - start
             progress.close()

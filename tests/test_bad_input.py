@@ -36,7 +36,7 @@ from conftest import (
 
 from models import data
 from models.data import synthetic_digits
-from plumbing import core
+from plumbing import failures, training
 
 CASES = {
     # flags: the parser of each script
@@ -246,8 +246,8 @@ def test_bad_input_is_one_line_from_rank_zero_and_not_retried(case, runs):
 @pytest.mark.parametrize("case", FLAGS)
 def test_a_bad_flag_is_refused_by_the_parser_the_scripts_share(case):
     flags, message = FLAGS[case]
-    with pytest.raises(core.UsageError) as refused:
-        core.parser("", data.add_arguments).parse_args(flags)
+    with pytest.raises(failures.UsageError) as refused:
+        training.parser("", data.add_arguments).parse_args(flags)
     assert str(refused.value).startswith(message) and str(refused.value).endswith(
         " (see --help)"
     ), refused.value
@@ -257,7 +257,7 @@ def test_a_bad_flag_is_refused_by_the_parser_the_scripts_share(case):
 def test_a_bad_flag_of_one_script_is_refused_by_its_parser(case, monkeypatch):
     module, flags, message = SCRIPT_FLAGS[case]
     monkeypatch.setattr(sys, "argv", [f"{module}.py", *flags])
-    with pytest.raises(core.UsageError) as refused:
+    with pytest.raises(failures.UsageError) as refused:
         importlib.import_module(module).main()
     assert str(refused.value).startswith(message) and str(refused.value).endswith(
         " (see --help)"
@@ -429,24 +429,25 @@ def test_a_checkpoint_directory_made_read_only_mid_run_is_one_line(mnist_dir, tm
 
 
 def test_a_warmup_longer_than_half_the_run_is_refused_and_the_default_one_is_shortened():
-    # Refused where the run's length is known (core.lr_schedule, after the data): one line on rank 0, as any
+    # Refused where the run's length is known (training.Plan, after the data): one line on rank 0, as any
     # UsageError found after init_process_group (batch-over-shard above).
-    args = core.parser("test").parse_args(["--warmup-steps", "17"])
-    with pytest.raises(core.UsageError) as refused:
-        core.lr_schedule(args, 64, total_steps=32)
+    args = training.parser("test").parse_args(["--warmup-steps", "17"])
+    with pytest.raises(failures.UsageError) as refused:
+        training.peak_and_warmup(args, 64, total_steps=32)
     assert str(refused.value) == (
         "--warmup-steps 17 is more than half of this run's 32 steps: the lr would stay below "
         "its peak 0.003 for most of the run; give at most 16"
     )
-    args = core.parser("test").parse_args(
+    args = training.parser("test").parse_args(
         ["--warmup-steps", "1"]
     )  # a one-step run: 0 is the only warmup it takes
-    with pytest.raises(core.UsageError, match=r"1 steps: .*; give at most 0$"):
-        core.lr_schedule(args, 64, total_steps=1)
+    with pytest.raises(failures.UsageError, match=r"1 steps: .*; give at most 0$"):
+        training.peak_and_warmup(args, 64, total_steps=1)
     # The default: 100 steps, or a fifth of a shorter run; the lr reaches the peak when the warmup ends.
-    default = core.parser("test").parse_args(["--lr-schedule", "constant"])
+    default = training.parser("test").parse_args(["--lr-schedule", "constant", "--epochs", "1"])
     for total_steps, warmup in ((32, 6), (499, 99), (5000, 100)):
-        peak, warmup_steps, lr_at = core.lr_schedule(default, 64, total_steps)
+        plan = training.Plan(default, 64 * total_steps, 1, "test")  # one rank, batch 64
+        peak, warmup_steps, lr_at = plan.peak_lr, plan.warmup_steps, plan.lr
         assert warmup_steps == warmup and lr_at(warmup - 1) < peak == lr_at(warmup), (
             total_steps,
             warmup_steps,

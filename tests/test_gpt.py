@@ -15,7 +15,7 @@ from conftest import ROOT
 from torch.utils.data import DataLoader, TensorDataset
 
 from models import GPT, data, shakespeare
-from plumbing import core
+from plumbing import training
 
 SHARED = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "README.md"  # where it came from
 TINY = {"vocab_size": 65, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}  # fast configs
@@ -74,7 +74,7 @@ def test_windows_tile_the_text_and_targets_are_the_next_characters(splits):
     assert len(train) == (1_003_854 - 65) // 64 + 1 == 15_685
     assert len(val) == (111_540 - 65) // 64 + 1 == 1_742
     assert train.vocab_size == 65
-    inputs, targets = train[torch.tensor([0, 1, len(train) - 1])]  # core.Batches gathers so
+    inputs, targets = train[torch.tensor([0, 1, len(train) - 1])]  # training.Batches gathers so
     assert inputs.shape == targets.shape == (3, 64) and inputs.is_contiguous()
     assert torch.equal(inputs[1], train_ids[64:128]) and torch.equal(targets[1], train_ids[65:129])
     assert torch.equal(inputs[:, 1:], targets[:, :-1])  # shifted by one
@@ -98,7 +98,7 @@ def test_find_and_load_serve_the_text_to_the_scripts():
     finally:
         dist.destroy_process_group()
     assert name == "shakespeare" and train.block_size == val.block_size == 32
-    batches = core.Batches(val, 8, torch.device("cpu"), torch.float32)
+    batches = training.Batches(val, 8, torch.device("cpu"), torch.float32)
     assert batches.loader is None  # gathered on the device, no DataLoader
     inputs, targets = next(batches(list(range(8))))
     assert inputs.shape == targets.shape == (8, 32) and inputs.dtype == torch.int64
@@ -166,7 +166,7 @@ def test_blocks_cut_anywhere_are_the_whole_model_and_the_pipeline_takes_it():
 
 
 def test_evaluation_counts_targets_not_samples():
-    """core.evaluate over a fake forward with known logits: a language model's (B, T, C) logits and
+    """training.evaluate over a fake forward with known logits: a language model's (B, T, C) logits and
     (B, T) labels give the loss per target and the accuracy of next-token prediction, and (B, C)
     logits (BabyCNN's) per sample, as before; over 2 ranks, with padding, the sums add up."""
     samples, tokens, classes = 5, 4, 3
@@ -180,8 +180,8 @@ def test_evaluation_counts_targets_not_samples():
 
     for dense in (True, False):
         y = labels if dense else labels[:, 0]
-        batches = core.Batches(TensorDataset(inputs, y), 2, torch.device("cpu"), torch.float32)
-        totals = sum(core.evaluate(forward, batches, rank, 2) for rank in range(2))  # 3 + 2 samples
+        batches = training.Batches(TensorDataset(inputs, y), 2, torch.device("cpu"), torch.float32)
+        totals = sum(training.evaluate(forward, batches, rank, 2) for rank in range(2))  # 3 + 2 samples
         right = int((y == 0).sum())
         loss = right * math.log(2) + (y.numel() - right) * math.log(4)  # -log(2/4), -log(1/4)
         assert totals.tolist() == pytest.approx([loss, right, y.numel()])

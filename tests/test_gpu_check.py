@@ -72,8 +72,8 @@ def test_a_copy_whose_scripts_changed_fails_the_dry_run_or_runs_more(tmp_path):
     for path in [*ROOT.glob("*.py"), *ROOT.glob("*.sh"), ROOT / "tests" / "test_gpu.py"]:
         (copy / path.relative_to(ROOT)).parent.mkdir(exist_ok=True)
         shutil.copy2(path, copy / path.relative_to(ROOT))
-    edit(copy / "plumbing" / "core.py", 'add("--no-eval"', 'add("--skip-eval"')
-    parser = "    parser = core.parser(__doc__.splitlines()[0], data.add_arguments)\n"
+    edit(copy / "plumbing" / "training.py", 'add("--no-eval"', 'add("--skip-eval"')
+    parser = "    parser = training.parser(__doc__.splitlines()[0], data.add_arguments)\n"
     edit(
         copy / "train_ddp.py",
         parser,

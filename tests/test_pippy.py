@@ -22,7 +22,7 @@ from conftest import (
 )
 
 import train_pippy
-from plumbing import core
+from plumbing import failures
 
 ACCUMULATE = [
     "--batch-size",
@@ -340,12 +340,15 @@ def test_bad_layouts_are_one_line_errors(case, bad_layout_runs):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_too_few_microbatches_are_refused_where_batch_not_divisible_is(schedule):
-    # check_microbatches, which the launched batch-not-divisible case reaches, on 2 pipeline ranks: no launch needed.
+    # check_flags, which the launched batch-not-divisible case reaches, on 2 pipeline ranks: no launch needed.
     # GPipe with 1 microbatch on 2 stages: torch 2.9's schedule raises a traceback where 2.14's runs.
-    args = argparse.Namespace(batch_size=32, microbatches=1, schedule=schedule)
+    args = argparse.Namespace(
+        batch_size=32, microbatches=1, schedule=schedule, data_parallel=1, stages_per_rank=None,
+        compile=False,
+    )
     with pytest.raises(
-        core.UsageError,
+        failures.UsageError,
         match=rf"^--schedule {schedule} needs at least as many microbatches as stages "
         r"\(2\), got --microbatches 1$",
     ):
-        train_pippy.check_microbatches(args, num_stages=2, pipeline_ranks=2)
+        train_pippy.check_flags(args, world_size=2)

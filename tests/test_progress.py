@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import ROOT, launcher_env, mnist_args
 
-from plumbing import core
+from plumbing import failures, training, watch
 
 RUN = [
     "--epochs",
@@ -137,7 +137,7 @@ def test_without_tensorboard_the_log_dir_says_so_once_and_writes_the_csv(
     monkeypatch.setitem(
         sys.modules, "torch.utils.tensorboard", None
     )  # as where it is not installed: import fails
-    rows = core.MetricsLog(str(tmp_path), 0)
+    rows = watch.MetricsLog(str(tmp_path), 0)
     rows.write(step=10, epoch=1, train_loss=0.5, lr=0.1, grad_norm=None, samples_per_second=100.0)
     assert capsys.readouterr().out == (
         f"--log-dir: writing {tmp_path}/metrics.csv; no TensorBoard events (pip install "
@@ -170,5 +170,5 @@ def test_without_tensorboard_the_log_dir_says_so_once_and_writes_the_csv(
 )
 def test_profile_steps_that_cannot_be_profiled_are_refused_in_one_line(flags, error):
     # UsageErrors: one line and exit code 2 from every launch (tests/test_bad_input.py shows the path)
-    with pytest.raises(core.UsageError, match=re.escape(error)):
-        core.Profiler(core.parser("").parse_args(flags), 0, torch.device("cpu"), 0, 100)
+    with pytest.raises(failures.UsageError, match=re.escape(error)):
+        watch.Profiler(training.parser("").parse_args(flags), 0, torch.device("cpu"), 0, 100)

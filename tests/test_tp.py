@@ -58,10 +58,10 @@ def test_tensor_parallel_training_matches_one_ddp_process(
 # all-reduce, each rank's input gradient is only its own channels' part.
 BREAKS = {
     "optimizer-before-the-split": lambda text: text.replace(
-        "        optimizer = core.make_optimizer(args, model.parameters())\n", ""
+        "        optimizer = training.make_optimizer(args, model.parameters())\n", ""
     ).replace(
         "        # ---- wrap:",
-        "        optimizer = core.make_optimizer(args, model.parameters())\n        # ---- wrap:",
+        "        optimizer = training.make_optimizer(args, model.parameters())\n        # ---- wrap:",
     ),
     "no-all-reduce-in-backward": lambda text: text.replace(
         "AllReduceBackward.apply(x, group)", "x"
