@@ -113,20 +113,35 @@ fi
 # torchrun (launch_torchrun.py) passes the stop signals on to the workers, then gives them 30 s
 # (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, from torch 2.10) to write their checkpoint before it kills them.
 
-# The torchrun below is this function: torchrun's own code, all output passing through, but a launch that fails
-# ends in one line instead of torchrun's 40- to 80-line traceback (launch_torchrun.py says how each ending reads).
-# Copied elsewhere, the command lines work as they are with the real torchrun.
+# The torchrun below is this function: torchrun's own code, all output passing through, but a launch
+# that fails ends in one line instead of torchrun's 40- to 80-line traceback (launch_torchrun.py says
+# how each ending reads). Copied elsewhere, the command lines work as they are with the real torchrun.
 torchrun() {
-    local timeout_error
-    if [ -n "$elastic" ]; then  # the operator's variables, not ours
-        timeout_error="error: not all PET_NNODES=${PET_NNODES:-} nodes joined at PET_RDZV_ENDPOINT=$PET_RDZV_ENDPOINT"
-        timeout_error+=" within torchrun's join timeout: are the other pods running and able to reach it?"
+    local line
+    if [ -n "$elastic" ]; then  # the operator's variables, not ours; torchrun's defaults where unset
+        local nnodes=${PET_NNODES:-1} wait="torchrun's default join_timeout, 600 s"
+        if [[ ,${PET_RDZV_CONF:-}, =~ ,join_timeout=([^,]+), ]]; then
+            wait="join_timeout=${BASH_REMATCH[1]} s (PET_RDZV_CONF)"
+        fi
+        if [ -z "${PET_NNODES:-}" ]; then
+            line="error: not all nodes (PET_NNODES unset: 1) joined"
+        elif [ "${nnodes%%:*}" != "${nnodes#*:}" ]; then  # MIN:MAX: it waits for MIN
+            line="error: fewer than ${nnodes%%:*} nodes (PET_NNODES=$nnodes) joined"
+        else
+            line="error: not all PET_NNODES=${nnodes%%:*} nodes joined"
+        fi
+        line+=" at PET_RDZV_ENDPOINT=$PET_RDZV_ENDPOINT within $wait:"
+        line+=" are the other pods running and able to reach it?"
     else
-        timeout_error="error: not all NNODES=$NNODES nodes joined at ${endpoint:-} within JOIN_TIMEOUT=$JOIN_TIMEOUT s:"
-        timeout_error+=" start each with the same MASTER_ADDR, MASTER_PORT and RDZV_ID, or raise JOIN_TIMEOUT"
+        line="error: not all NNODES=$NNODES nodes joined at ${endpoint:-localhost} within"
+        line+=" JOIN_TIMEOUT=$JOIN_TIMEOUT s: start each with the same MASTER_ADDR, MASTER_PORT and"
+        line+=" RDZV_ID, or raise JOIN_TIMEOUT"
     fi
-    echo "launch.sh: torchrun $*" >&2  # at once: torch takes seconds to import before anything else is said
-    exec python3 "$here/launch_torchrun.py" "$timeout_error" "$@"
+    # At once: torch takes seconds to import before anything else is said.
+    echo "launch.sh: torchrun $*" >&2
+    # The line for a rendezvous that times out, in the environment: argv is torchrun's own.
+    export LAUNCH_SH_NO_RENDEZVOUS=$line
+    exec python3 "$here/launch_torchrun.py" "$@"
 }
 
 if [ -n "$elastic" ]; then
