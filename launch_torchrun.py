@@ -1,78 +1,104 @@
-"""torchrun as launch.sh runs it: `python3 launch_torchrun.py [torchrun's arguments]`, torchrun's own code with
-all output passing through, except how a launch ends, said in one line instead of torchrun's 40- to 80-line
-ChildFailedError traceback:
+"""torchrun as launch.sh runs it: `python3 launch_torchrun.py [torchrun's arguments]`.
 
-  a bad input     the workers stopped with exit code 2 and rank 0 printed one `error:` line; if torchrun stopped
-                  it before it could (another rank failed first), that line comes from the failed rank's error
-                  file (plumbing/failures.run writes it) and is printed here, by rank 0's node. Exit code 2, and
-                  no restart: the same input would fail the same way (MAX_RESTARTS is for crashes).
-  a retry         a failure that may pass on a retry (a peer lost, a collective's error or timeout, an I/O error):
-                  the workers exit with code 75 and torchrun's restarts (MAX_RESTARTS) retry it; when none is left,
-                  the first failed rank's one line. Exit code 75.
-  a crash         the first failed rank's traceback, once, from its error file (the ranks that failed after it,
-                  because a peer had gone, are left out), then a line naming the rank. Exit code 1.
-  a killed rank   one line: which rank, which signal (SIGKILL: often the kernel's out-of-memory killer). Exit 1.
-  a stop signal   one of failures.STOP_SIGNALS: SIGTERM, SIGINT, SIGUSR1 (SLURM's warning; torch 2.9's torchrun
-                  dies of it), SIGHUP, SIGQUIT: passed on to the workers, which stop together within about a second
-                  of training, write a checkpoint and say where; exit code 128 + the signal's number.
-                  A rank that does not stop within torchrun's shutdown timeout (30 s) is named in one line before
-                  it is killed; a second signal ends the launch at once, naming the ranks that had not stopped.
-                  During start-up (torch still importing, no training yet) it is one line here instead of each
-                  process's KeyboardInterrupt traceback; after the last step, the run finishes and exits 0.
-  no rendezvous   not all nodes joined within the join timeout: the line launch.sh passes as argument 1. Exit 2.
+torchrun's own code, all output passing through, except how a launch ends: one line instead of
+torchrun's 40- to 80-line ChildFailedError traceback.
+
+  a bad input     the workers stopped with exit code 2 and rank 0 printed one `error:` line; if
+                  torchrun stopped it before it could (another rank failed first), that line comes
+                  from the failed rank's error file (plumbing/failures.run writes it) and is
+                  printed here, by rank 0's node. Exit code 2, and no restart: the same input
+                  would fail the same way (MAX_RESTARTS is for crashes).
+  a retry         a failure that may pass on a retry (a peer lost, a collective's error or
+                  timeout, an I/O error): the workers exit with code 75 and torchrun's restarts
+                  (MAX_RESTARTS) retry it; when none is left, the first failed rank's one line.
+                  Exit code 75.
+  a crash         the first failed rank's traceback, once, from its error file (the ranks that
+                  failed after it, because a peer had gone, are left out), then a line naming the
+                  rank. Exit code 1.
+  a killed rank   one line: which rank, which signal (SIGKILL: often the kernel's out-of-memory
+                  killer). Exit code 1.
+  a stop signal   one of failures.STOP_SIGNALS: SIGTERM, SIGINT, SIGUSR1 (SLURM's warning; torch
+                  2.9's torchrun dies of it), SIGHUP, SIGQUIT: passed on to the workers, which stop
+                  together within about a second of training, write a checkpoint and say where;
+                  exit code 128 + the signal's number. A rank that does not stop within torchrun's
+                  shutdown timeout (30 s) is named in one line before it is killed; a second signal
+                  ends the launch at once, naming the ranks that had not stopped. During start-up
+                  (torch still importing, no training yet) it is one line here instead of each
+                  process's KeyboardInterrupt traceback; after the last step, the run finishes and
+                  exits 0.
+  no rendezvous   not all nodes joined within the join timeout: the line launch.sh passes in
+                  LAUNCH_SH_NO_RENDEZVOUS. Exit code 2.
 
 It also gives each rendezvous round a store of its own, on a port it holds from the start (below).
 A copied command line works as it is with the real torchrun; only these endings differ.
+
+What it takes from torchrun: torch.distributed.run's parse_args and run, the exceptions they raise
+(ChildFailedError's ProcessFailures, SignalException, RendezvousTimeoutError), PContext.start and
+SubprocessHandler.close (wrapped), two loggers by name. Private, for want of a public hook: the
+agent's _monitor_workers and _remaining_restarts (no restart after a bad input), and the
+rendezvous handler's _bootstrap_store_info and _shared_tcp_store_server (a store per round).
 """
 
+# ruff: noqa: E402 (the signal handlers below come before the other imports: torch takes seconds)
 import os
 import signal
 import sys
 
 
-def stopped_during_start_up(number, frame):  # until torch is imported and torchrun's own handlers are set
-    print(f"stopped by {signal.Signals(number).name} during start-up: nothing was trained or saved",
-          file=sys.stderr, flush=True)
-    os._exit(128 + number)  # not sys.exit: raised inside an import, importlib may swallow it; no worker exists yet
+def stopped_during_start_up(number, frame):  # until torch is imported and our handlers are set
+    print(
+        f"stopped by {signal.Signals(number).name} during start-up: nothing was trained or saved",
+        file=sys.stderr,
+        flush=True,
+    )
+    # Not sys.exit: raised inside an import, importlib may swallow it; no worker exists yet.
+    os._exit(128 + number)
 
 
-# failures.STOP_SIGNALS, which cannot be imported before torch is (tests/test_launch.py checks they are the same)
+# failures.STOP_SIGNALS, which cannot be imported before torch is (tests/test_faults.py checks
+# they are the same)
 for number in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT):
     signal.signal(number, stopped_during_start_up)
 
-import glob  # noqa: E402  (the handlers above come first: importing torch takes seconds)
-import json  # noqa: E402
-import logging  # noqa: E402
-import math  # noqa: E402
-import socket  # noqa: E402
-import time  # noqa: E402
+# The handlers above come first: importing torch takes seconds.
+import glob
+import json
+import logging
+import math
+import socket
+import threading
+import time
 
-import torch.distributed.elastic.multiprocessing.api as elastic_api  # noqa: E402
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent  # noqa: E402
-from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
-from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler  # noqa: E402
-from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError  # noqa: E402
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler  # noqa: E402
-from torch.distributed.run import parse_args, run  # noqa: E402  (not main(): its @record would log the failure again)
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+# Not main(): its @record would log the failure again.
+from torch.distributed.run import parse_args, run
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder holds plumbing/
-from plumbing.failures import RETRY_EXIT, STOP_SIGNALS  # noqa: E402
+from plumbing.failures import RETRY_EXIT, STOP_SIGNALS
 
-stopping = {}  # pid: (rank, when, training) of each worker torchrun signalled to stop (a stop, or a failed peer)
+# pid: (rank, when, signal name, training) of each worker torchrun signalled to stop (a stop, or a
+# failed peer)
+stopping = {}
 received = []  # the stop signals this launch received
-exit_codes = {}  # pid: exit code of each worker torchrun stopped, once it has
+workers = {}  # pid: Popen of each worker of the latest start
 
 
 def rank_of(pid):
     try:
         with open(f"/proc/{pid}/environ", "rb") as file:
-            return dict(v.split(b"=", 1) for v in file.read().split(b"\0") if b"=" in v).get(b"RANK", b"?").decode()
+            variables = dict(v.split(b"=", 1) for v in file.read().split(b"\0") if b"=" in v)
+        return variables.get(b"RANK", b"?").decode()
     except OSError:
         return "?"
 
 
-def catches(pid, number):  # whether the process handles this signal itself (Linux: its SigCgt mask)
+def catches(pid, number):  # whether the process handles this signal itself (Linux: SigCgt)
     try:
         with open(f"/proc/{pid}/status") as file:
             mask = next(line for line in file if line.startswith("SigCgt:")).split()[1]
@@ -81,129 +107,201 @@ def catches(pid, number):  # whether the process handles this signal itself (Lin
         return True  # cannot tell (not Linux): pass the signal on as it is
 
 
-class Endings(logging.Filter):
-    """torchrun's log lines about a failure or a stop, which the one line at the end says better."""
+def alive(pid):  # a worker not yet reaped is a zombie: gone
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
-    def filter(self, record):
-        text = str(record.msg)
-        if text.startswith(("Sending process", "Unable to shutdown process")) and record.args:
-            pid, signal_name = record.args[0], getattr(record.args[1], "name", record.args[1])
-            if text.startswith("Sending"):  # a stop: the workers it signals, to name a stuck one later
-                training = catches(pid, signal.SIGUSR1)  # StopSignals is set: the rank will say where it stopped
-                stopping[pid] = (rank_of(pid), time.monotonic(), training)
-            else:  # waited its shutdown timeout in vain (30 s by default)
-                rank, since, _ = stopping.get(pid, ("?", time.monotonic(), False))
-                print(f"error: rank {rank} (pid {pid}) did not stop within {time.monotonic() - since:.0f} s of "
-                      f"{signal_name}: stuck in a collective, or stopped? killing it; it wrote no checkpoint",
-                      file=sys.stderr, flush=True)
-        return not text.startswith(("failed (exitcode", "Sending process", "Unable to shutdown", "Received"))
+
+def quiet_workers(record):
+    """torchrun's warnings about stopping workers and its error naming the failed one
+    (multiprocessing.api): the one line at the end says them better. Debug and info lines (LOGLEVEL)
+    pass."""
+    return record.levelno < logging.WARNING or record.levelno >= logging.CRITICAL
+
+
+def quiet_agent(record):  # the agent's warnings (agent.server.api) say only that a signal came
+    return record.levelno != logging.WARNING
 
 
 def note(failure):  # what plumbing/failures.run wrote in the rank's error file: {} when nothing
-    return failure.error_file_data if isinstance(failure.error_file_data.get("message"), str) else {}
+    data = failure.error_file_data
+    return data if isinstance(data.get("message"), str) else {}
 
 
 def this_attempt(failures):
-    """The notes of every rank of this node in this attempt: those torchrun stopped before it saw them fail too (when it
-    sees one rank fail, the speaker may be printing the line that very moment; torchrun waits for it to exit)."""
-    folders = {os.path.dirname(os.path.dirname(failure.error_file)) for failure in failures.values()
-               if os.path.isfile(failure.error_file)}
+    """The notes of every rank of this node in this attempt: also of those torchrun stopped before
+    it saw them fail (when it sees one rank fail, the speaker may be printing the line that very
+    moment; torchrun waits for it to exit)."""
+    folders = {
+        os.path.dirname(os.path.dirname(failure.error_file))
+        for failure in failures.values()
+        if os.path.isfile(failure.error_file)
+    }
     notes = []
-    for path in (path for folder in folders for path in glob.glob(os.path.join(folder, "*", "error.json"))):
-        try:
-            with open(path) as file:
-                notes.append(json.load(file))
-        except (OSError, ValueError):  # not written by plumbing/failures.run (its writes are atomic)
-            pass
+    for folder in folders:
+        for path in glob.glob(os.path.join(folder, "*", "error.json")):
+            try:
+                with open(path) as file:
+                    notes.append(json.load(file))
+            except (OSError, ValueError):  # not written by plumbing/failures.run (atomic writes)
+                pass
     return [n for n in notes if isinstance(n, dict) and isinstance(n.get("message"), str)]
 
 
 def ending(failures):
     """The one line (and exit code) for torchrun's failures, {global rank: ProcessFailure}."""
-    if any(failure.exitcode == 2 for failure in failures.values()):  # the ranks found the same bad input
+    if any(failure.exitcode == 2 for failure in failures.values()):  # the same bad input
         notes = [n for n in this_attempt(failures) if n.get("exit_code") == 2]
         if not notes:  # not through plumbing/failures.run: whatever the worker printed is above
             print(f"error: rank {min(failures)} exited with code 2", file=sys.stderr)
-        elif not any(n.get("said") for n in notes) and any(n.get("here") for n in notes):  # the rank to say it is
-            print(next(n["message"] for n in notes if n.get("here")), file=sys.stderr)  # on this node, and did not
+        elif not any(n.get("said") for n in notes) and any(n.get("here") for n in notes):
+            # the rank to say it is on this node, and did not
+            print(next(n["message"] for n in notes if n.get("here")), file=sys.stderr)
         return 2
     where = f" on {socket.gethostname()}"
-    # Killed by a signal, not one torchrun sent itself on seeing another rank fail (it may list those too).
-    killed = {rank: failure for rank, failure in failures.items()
-              if failure.exitcode < 0 and failure.pid not in stopping}
+    # Killed by a signal, not one torchrun sent itself on seeing another rank fail (it may list
+    # those too).
+    killed = {
+        rank: failure
+        for rank, failure in failures.items()
+        if failure.exitcode < 0 and failure.pid not in stopping
+    }
     if killed:  # the others failed because it had gone: their errors say only that
         rank, failure = min(killed.items())
-        why = ": out of memory? the kernel's log (dmesg) says" if failure.signal_name() == "SIGKILL" else ""
-        print(f"error: rank {rank} (pid {failure.pid}){where} was killed by {failure.signal_name()}{why}",
-              file=sys.stderr)
+        name = failure.signal_name()
+        why = ": out of memory? the kernel's log (dmesg) says" if name == "SIGKILL" else ""
+        print(
+            f"error: rank {rank} (pid {failure.pid}){where} was killed by {name}{why}",
+            file=sys.stderr,
+        )
         return 1
     rank, failure = min(failures.items(), key=lambda item: note(item[1]).get("time", math.inf))
-    if note(failure).get("exit_code") == RETRY_EXIT:  # a peer lost, a collective's timeout: its one line
+    if note(failure).get("exit_code") == RETRY_EXIT:  # a peer lost, a collective's timeout
         print(note(failure)["message"], file=sys.stderr)
         return RETRY_EXIT
     if note(failure):
         print(note(failure)["message"], file=sys.stderr)
-    print(f"error: rank {rank} (pid {failure.pid}){where} failed with exit code {failure.exitcode}"
-          + (": its traceback is above" if note(failure) else ""), file=sys.stderr)
+    print(
+        f"error: rank {rank} (pid {failure.pid}){where} failed with exit code {failure.exitcode}"
+        + (": its traceback is above" if note(failure) else ""),
+        file=sys.stderr,
+    )
     return 1
 
 
 def on_signal(number, frame):
-    """torchrun's own handler (the agent stops the workers with the same signal), also for SIGUSR1, which torch 2.9's
-    torchrun leaves deadly (PET_SIGNALS_TO_HANDLE is newer); but a second signal ends the launch at once: torchrun
-    would send it on and wait its whole shutdown timeout again. The workers die with this process (PR_SET_PDEATHSIG)."""
+    """As torchrun's own handler (the agent stops the workers with the same signal), also for
+    SIGUSR1, which torch 2.9's torchrun leaves deadly; but a second signal ends the launch at once:
+    torchrun would send it on and wait its whole shutdown timeout again. The workers die with this
+    process (PR_SET_PDEATHSIG)."""
     name = signal.Signals(number).name
     if received:
-        stuck = ", ".join(f"rank {rank} (pid {pid})" for pid, (rank, *_) in stopping.items() if alive(pid))
-        print(f"{name} again: ending now" + (f", without waiting for {stuck} to stop" if stuck else ""),
-              file=sys.stderr, flush=True)
+        stuck = ", ".join(
+            f"rank {rank} (pid {pid})" for pid, (rank, *_) in stopping.items() if alive(pid)
+        )
+        print(
+            f"{name} again: ending now"
+            + (f", without waiting for {stuck} to stop" if stuck else ""),
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(128 + number)
     received.append(number)
-    raise SignalException(f"Process {os.getpid()} got signal: {name}", sigval=signal.Signals(number))
+    raise SignalException(
+        f"Process {os.getpid()} got signal: {name}", sigval=signal.Signals(number)
+    )
+
+
+def take_the_signals():
+    if threading.current_thread() is threading.main_thread():  # where Python runs handlers
+        for number in STOP_SIGNALS:
+            signal.signal(number, on_signal)
+
+
+def start(context, start=PContext.start):
+    """torchrun's start of the workers, which first sets its own handler for four of the stop
+    signals (not SIGUSR1 on torch 2.9): ours replace it."""
+    start(context)
+    take_the_signals()
+    handlers = getattr(context, "subprocess_handlers", None) or {}
+    workers.clear()
+    workers.update({handler.proc.pid: handler.proc for handler in handlers.values()})
 
 
 def close(handler, death_sig=None, close=SubprocessHandler.close):
-    """torchrun passes a stop signal on to each worker's process group. A worker still starting (importing torch, before
-    the script's StopSignals) would print a KeyboardInterrupt traceback for SIGINT: it gets SIGTERM, which ends it
-    quietly, and main() says the one line."""
-    if death_sig == signal.SIGINT and not catches(handler.proc.pid, signal.SIGUSR1):
-        death_sig = signal.SIGTERM
+    """torchrun passes a stop signal on to each worker's process group, then, to those that did not
+    stop within its shutdown timeout, SIGKILL: each is named here first. A worker still starting
+    (importing torch, before the script's StopSignals) would print a KeyboardInterrupt traceback
+    for SIGINT: it gets SIGTERM, which ends it quietly, and main() says the one line."""
+    pid = handler.proc.pid
+    if death_sig == signal.SIGKILL and pid in stopping:
+        rank, since, name, _ = stopping[pid]
+        print(
+            f"error: rank {rank} (pid {pid}) did not stop within {time.monotonic() - since:.0f} s "
+            f"of {name}: stuck in a collective, or stopped? killing it; it wrote no checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif death_sig is not None and pid not in stopping:
+        training = catches(pid, signal.SIGUSR1)  # StopSignals is set: the rank will say where
+        stopping[pid] = (rank_of(pid), time.monotonic(), signal.Signals(death_sig).name, training)
+        if death_sig == signal.SIGINT and not training:
+            death_sig = signal.SIGTERM
     close(handler, death_sig)
 
 
-def close_workers(context, death_sig, timeout=30, close=elastic_api.SubprocessContext._close):
-    close(context, death_sig, timeout)  # returns once every worker has exited (or was killed)
-    exit_codes.update({h.proc.pid: h.proc.returncode for h in context.subprocess_handlers.values()})
-
-
 def monitor(agent, worker_group, monitor=LocalElasticAgent._monitor_workers):
-    """torchrun's check of its workers; a bad input (exit code 2) is not retried: it would fail the same way."""
+    """torchrun's check of its workers; a bad input (exit code 2) is not retried: it would fail
+    the same way."""
     result = monitor(agent, worker_group)
-    if result.is_failed() and any(failure.exitcode == 2 for failure in result.failures.values()):
+    if result.is_failed() and any(f.exitcode == 2 for f in result.failures.values()):
         agent._remaining_restarts = 0
     return result
 
 
 def next_rendezvous(handler, next_rendezvous=DynamicRendezvousHandler.next_rendezvous):
-    """Each round (the first, and each restart's) gets a fresh store for the workers, which torchrun opens on a port the
-    system picks (0) and holds: nothing can take it between choosing it and binding it, as when the workers' rank 0 binds
-    a port chosen earlier (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; launches started together raced for one). torchrun's
-    own shared store is made once and kept across restarts, where the dead workers' keys break the new ones' start
-    (pytorch issue 135712)."""
+    """Each round (the first, and each restart's) gets a fresh store for the workers, which
+    torchrun opens on a port the system picks (0) and holds: nothing can take it between choosing
+    it and binding it, as when the workers' rank 0 binds a port chosen earlier
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; launches started together raced for one). torchrun's own
+    shared store is made once and kept across restarts, where the dead workers' keys break the new
+    ones' start (pytorch issue 135712), and the other nodes keep the address of a rank-0 node that
+    has left."""
     handler._bootstrap_store_info = handler._shared_tcp_store_server = None
     return next_rendezvous(handler)
 
 
+def stopped(number):
+    """The exit code of a launch stopped by a signal: 0 if every worker had finished (it came after
+    the last step, and a requeued job would find nothing to do), else 128 + its number, with one
+    line if no worker was training yet."""
+    name = signal.Signals(number).name
+    codes = [process.poll() for process in workers.values()]
+    if codes and all(code == 0 for code in codes):
+        print(
+            f"{name} came after the last step: the run had finished, and is complete",
+            file=sys.stderr,
+        )
+        return 0
+    if not any(training for *_, training in stopping.values()):  # nobody to say where it stopped
+        print(f"stopped by {name} during start-up: nothing was trained or saved", file=sys.stderr)
+    return 128 + number
+
+
 def main():
-    timeout_error = sys.argv.pop(1)
+    no_rendezvous = os.environ.pop(
+        "LAUNCH_SH_NO_RENDEZVOUS", "error: not all nodes joined within the join timeout"
+    )
     sys.argv[0] = "torchrun"
-    for name in ("multiprocessing.api", "agent.server.api"):
-        logging.getLogger(f"torch.distributed.elastic.{name}").addFilter(Endings())
-    elastic_api._terminate_process_handler = on_signal  # what torchrun installs when it starts the workers
-    SubprocessHandler.close, elastic_api.SubprocessContext._close = close, close_workers
-    LocalElasticAgent._monitor_workers, DynamicRendezvousHandler.next_rendezvous = monitor, next_rendezvous
-    for number in STOP_SIGNALS:
-        signal.signal(number, on_signal)
+    for name, quiet in (("multiprocessing.api", quiet_workers), ("agent.server.api", quiet_agent)):
+        logging.getLogger(f"torch.distributed.elastic.{name}").addFilter(quiet)
+    PContext.start, SubprocessHandler.close = start, close
+    LocalElasticAgent._monitor_workers = monitor
+    DynamicRendezvousHandler.next_rendezvous = next_rendezvous
+    take_the_signals()
     try:
         run(parse_args(sys.argv[1:]))
     except SignalException as stop:
@@ -211,28 +309,8 @@ def main():
     except ChildFailedError as failed:
         sys.exit(ending(failed.failures))
     except RendezvousTimeoutError:
-        print(timeout_error, file=sys.stderr)
+        print(no_rendezvous, file=sys.stderr)
         sys.exit(2)
-
-
-def stopped(number):
-    """The exit code of a launch stopped by a signal: 0 if every worker had finished (it came after the last step, and
-    a requeued job would find nothing to do), else 128 + its number, with one line if no worker was training yet."""
-    name = signal.Signals(number).name
-    if exit_codes and all(code == 0 for code in exit_codes.values()):
-        print(f"{name} came after the last step: the run had finished, and is complete", file=sys.stderr)
-        return 0
-    if not any(training for *_, training in stopping.values()):  # nobody to say where it stopped
-        print(f"stopped by {name} during start-up: nothing was trained or saved", file=sys.stderr)
-    return 128 + number
-
-
-def alive(pid):  # a worker not yet reaped is a zombie: gone
-    try:
-        with open(f"/proc/{pid}/stat") as file:
-            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 if __name__ == "__main__":
