@@ -14,12 +14,12 @@ the median over --repeats samples of the slowest rank's time per call, each samp
 long enough to time (at least --sample-ms); with --rounds, the median of that over rounds.
 
 Each collective's points are fitted with t = α + n·β in two parts a reader can redo by hand: α, the
-latency a call pays whatever its size, is the median time of the messages up to 64 KiB (the flat part;
-a median, so that one odd point does not move it); β, the seconds per byte (1/β the bandwidth), is the
-median of (t − α) / n over the messages of 4 MiB and more (the straight part). For all_reduce the fit
-is set beside the ring model
-t = 2(W−1)·α' + 2(W−1)/W · n·β', with α' and β' those of one send/recv. Prints the points and the
-fits, writes collectives.json to --out and the plot (log-log: points, fitted lines) to --plot.
+latency a call pays whatever its size, is the median time of the messages up to 64 KiB (the flat
+part; a median, so that one odd point does not move it); β, the seconds per byte (1/β the
+bandwidth), is the median of (t − α) / n over the messages of 4 MiB and more (the straight part).
+For all_reduce the fit is set beside the ring model t = 2(W−1)·α' + 2(W−1)/W · n·β', with α' and β'
+those of one send/recv. Prints the points and the fits, writes collectives.json to --out and the
+plot (log-log: points, fitted lines) to --plot.
 """
 
 import argparse
@@ -171,8 +171,9 @@ def operation(name, numel, rank, world_size, device):
 
 
 def time_one(call, args, device):
-    """Median over --repeats samples of the slowest rank's seconds per call (send_recv: per round trip, halved
-    later). A sample is `calls` calls back to back, after a barrier; every rank makes the same number."""
+    """Median over --repeats samples of the slowest rank's seconds per call (send_recv: per round
+    trip, halved later). A sample is `calls` calls back to back, after a barrier; every rank makes
+    the same number."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     call()  # the first call sets up buffers and connections
     sync()
@@ -221,8 +222,9 @@ SMALL, LARGE = 64 << 10, 4 << 20  # the flat part ends, the straight part begins
 
 
 def fit(points):
-    """α and β of t = α + n·β: α the median time up to SMALL bytes, β the median of (t − α) / n from LARGE bytes
-    on. Medians, so that one odd point moves neither. With no point in a range, its nearest point stands in."""
+    """α and β of t = α + n·β: α the median time up to SMALL bytes, β the median of (t − α) / n from
+    LARGE bytes on. Medians, so that one odd point moves neither. With no point in a range, its
+    nearest point stands in."""
     small = [t for n, t in points if n <= SMALL] or [points[0][1]]
     large = [(n, t) for n, t in points if n >= LARGE] or [points[-1]]
     alpha = statistics.median(small)

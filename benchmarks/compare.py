@@ -56,8 +56,8 @@ def launch(command, timeout, copies=1):
     return outputs
 
 
-# torchrun's own ending when a worker fails: its traceback (frames in torch/distributed/run.py), then a
-# ChildFailedError block of `====` lines. It is over 2,000 characters, and names no cause.
+# torchrun's own ending when a worker fails: its traceback (frames in torch/distributed/run.py),
+# then a ChildFailedError block of `====` lines. It is over 2,000 characters, and names no cause.
 CHILD_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
 TORCHRUN_LOG = re.compile(
     r"[IWE]\d{4} [\d:.]+ +\d+ \S*torch/distributed/"
@@ -73,9 +73,10 @@ CHAINED = (
 
 
 def failure(stderr):
-    """What a failed configuration's stderr says about why: its workers' `error:` lines and the traceback of the
-    rank torchrun names as the first failure (without `error:` lines, else the last traceback), then that rank's
-    exit code; without torchrun's own traceback, ChildFailedError block and log lines."""
+    """What a failed configuration's stderr says about why: its workers' `error:` lines and the
+    traceback of the rank torchrun names as the first failure (without `error:` lines, else the last
+    traceback), then that rank's exit code; without torchrun's own traceback, ChildFailedError block
+    and log lines."""
     lines = stderr.splitlines()
     root_rank = root_cause = None
     ends = [i for i, line in enumerate(lines) if line.startswith(CHILD_FAILED)]
@@ -101,7 +102,8 @@ def failure(stderr):
             root_cause = f"torchrun: rank {root_rank} failed first, exit code {code}{signal_name}"
     lines = [line for line in lines if not TORCHRUN_LOG.match(line)]
     errors = [line for line in lines if RANK_PREFIX.sub("", line, count=1).startswith("error:")]
-    # The workers' tracebacks, each rank's apart (torch prefixes its lines, and ranks interleave), plain ones together.
+    # The workers' tracebacks, each rank's apart (torch prefixes its lines, and ranks interleave),
+    # plain ones together.
     streams = {}
     for index, line in enumerate(lines):
         match = RANK_PREFIX.match(line)
@@ -121,9 +123,12 @@ def failure(stderr):
             tracebacks[source] = (stream[start][0], [line for _, line, _ in stream[start:]])
     if root_rank in tracebacks:
         traceback = tracebacks[root_rank][1]
-    else:  # the project's `error:` lines say why on their own; a traceback of another rank would follow from it
+    else:
+        # the project's `error:` lines say why on their own; a traceback of another rank would
+        # follow from it
         traceback = [] if errors else max(tracebacks.values(), default=(None, []))[1]
-    # Neither (a worker killed by a signal, a crash in C++): whatever else the workers wrote, at most 20 lines.
+    # Neither (a worker killed by a signal, a crash in C++): whatever else the workers wrote, at
+    # most 20 lines.
     said = errors + traceback or [line for line in lines if line.strip()][-20:]
     kept = said + ([root_cause] if root_cause else [])
     return "\n".join(kept) if kept else stderr[-2000:]
@@ -139,8 +144,8 @@ class Bench:
         print(f"[{self.done}/{self.total}] {what}", flush=True)
 
     def train(self, script, ranks, *flags, repeat=0):
-        """Run a training script under torchrun, or plain python for one process (once per configuration
-        and repeat); return its metrics."""
+        """Run a training script under torchrun, or plain python for one process (once per
+        configuration and repeat); return its metrics."""
         key = (script, ranks, *map(str, flags), repeat)
         if key not in self.cache:
             metrics = self.scratch / f"m{self.done}.json"
@@ -163,8 +168,8 @@ class Bench:
         return self.cache[key]
 
     def helper(self, name, *flags, copies=1, ranks=None):
-        """Run a helper script (``copies`` of it at the same time, or under torchrun on ``ranks`` processes);
-        return its JSON line (a list for copies > 1)."""
+        """Run a helper script (``copies`` of it at the same time, or under torchrun on ``ranks``
+        processes); return its JSON line (a list for copies > 1)."""
         self.progress(
             f"benchmarks/{name} {' '.join(map(str, flags))}"
             + (f" ({copies} at once)" if copies > 1 else "")
@@ -257,7 +262,8 @@ def main():
     ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    # Configurations to run (identical ones run once: at width 1 the memory runs are the scaling runs).
+    # Configurations to run (identical ones run once: at width 1 the memory runs are the scaling
+    # runs).
     tp_memory_runs = sum(
         n > 1 and 8 * width % n == 0 for n in ranks_for_memory
     )  # never the scaling run: --tp N
@@ -269,7 +275,8 @@ def main():
         + 3 * len(microbatches)
     )
     total = (total if cpu else 0) + (11 if gpus else 0)
-    # The runs' metrics files go with the directory at the end, also when a configuration fails (sys.exit).
+    # The runs' metrics files go with the directory at the end, also when a configuration fails
+    # (sys.exit).
     with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
         bench = Bench(args, Path(scratch), total)
         results = {"machine": machine()}
@@ -312,13 +319,15 @@ def main():
 
 
 def cpu_figures(bench, args, steps, repeats, width, microbatches, ranks_for_memory):
-    """1 to 5, on the CPU: overhead, data path, scaling, memory, pipeline; with the loss curves the plot draws."""
+    """1 to 5, on the CPU: overhead, data path, scaling, memory, pipeline; with the loss curves the
+    plot draws."""
     batch = ["--batch-size", args.batch_size, "--max-steps", steps, "--epochs", 1000]
     results = {"steps": steps, "batch_size": args.batch_size}
 
-    # 1 and 3. Throughput, in rounds: each round runs every configuration once, back to back, and its
-    # ratios compare runs of the same round. On a shared machine a neighbour's load moves one run by
-    # 5% or more, so the table reports the median over the rounds and the spread of the ratios.
+    # 1 and 3. Throughput, in rounds: each round runs every configuration once, back to back, and
+    # its ratios compare runs of the same round. On a shared machine a neighbour's load moves one
+    # run by 5% or more, so the table reports the median over the rounds and the spread of the
+    # ratios.
     rounds = []
     for repeat in range(repeats):
         bare = bench.helper("bare_loop.py", "--steps", steps, "--batch-size", args.batch_size)
@@ -374,9 +383,9 @@ def cpu_figures(bench, args, steps, repeats, width, microbatches, ranks_for_memo
         / loaders["dataloader_samples_per_second"],
     }
 
-    # 3. Scaling: 2 processes against 1 (same per-rank batch), DDP and FSDP; TP on 2 against DDP on 1 (the same batch,
-    # its layers split in two); and the machine's own
-    # ceiling: two bare loops at once, which share the cores, caches and memory bandwidth but not a byte.
+    # 3. Scaling: 2 processes against 1 (same per-rank batch), DDP and FSDP; TP on 2 against DDP on
+    # 1 (the same batch, its layers split in two); and the machine's own ceiling: two bare loops at
+    # once, which share the cores, caches and memory bandwidth but not a byte.
     results["scaling"] = {
         "ddp": summary("ddp_2", "ddp_1"),
         "fsdp": summary("fsdp_2", "fsdp_1"),
@@ -499,7 +508,8 @@ def gpu_figures(bench, steps, ranks):
             if row["steady_samples_per_second"]
             else None
         )
-        # targets: eager train_ddp.py >= 0.95 x the bare loop; --compile (CUDA graphs) >= 1.6 x eager at batch 512
+        # targets: eager train_ddp.py >= 0.95 x the bare loop; --compile (CUDA graphs) >= 1.6 x
+        # eager at batch 512
         row["vs_eager_train_ddp"] = (
             row["steady_samples_per_second"] / eager[row["batch_size"]]
             if row["run"].startswith("train_ddp.py")
@@ -516,11 +526,12 @@ def gpu_figures(bench, steps, ranks):
 
 
 def steady_state(metrics, log_every=20):
-    """(first step, samples/s) of a run's steady state, from its metrics' loss curve of [step, loss, training
-    seconds]: from the first curve point at least max(log_every, steps // 10) steps past the start, to the end of
-    training (the first steps pay for lazy initialisation, cuDNN's algorithm search, the allocator's growth).
-    ``log_every`` is the run's --log-every (the scripts' default here). (None, None) for a run too short to have
-    one. The runs here start at step 0 (none resumes from a checkpoint)."""
+    """(first step, samples/s) of a run's steady state, from its metrics' loss curve of [step, loss,
+    training seconds]: from the first curve point at least max(log_every, steps // 10) steps past
+    the start, to the end of training (the first steps pay for lazy initialisation, cuDNN's
+    algorithm search, the allocator's growth). ``log_every`` is the run's --log-every (the scripts'
+    default here). (None, None) for a run too short to have one. The runs here start at step 0 (none
+    resumes from a checkpoint)."""
     end = metrics["steps"]
     point = next((p for p in metrics["loss_curve"] if p[0] >= max(log_every, end // 10)), None)
     if point is None or point[0] == end:

@@ -7,20 +7,20 @@
 Launches, round robin, the three training scripts (`python -m torch.distributed.run --standalone
 --nproc-per-node=2 train_X.py --dataset synthetic --max-steps 3 --no-eval --metrics <temp file>`, so
 all_gather_object runs last) and each snippet in docs/snippets (the command on its docstring's Run:
-line, without the optional [...] part), --parallel at a time: the load makes the race below likelier.
-A launch is unexpected if torchrun exits with another code than the script's (0 for all here); a rank
-that died by a signal is named by it (SIGABRT: "terminate called without an active exception"; a
-SIGTERM beside it is torchrun stopping the other rank).
+line, without the optional [...] part), --parallel at a time: the load makes the race below
+likelier. A launch is unexpected if torchrun exits with another code than the script's (0 for all
+here); a rank that died by a signal is named by it (SIGABRT: "terminate called without an active
+exception"; a SIGTERM beside it is torchrun stopping the other rank).
 
-The race: a gloo worker thread lets go of the last collective's work (and its tensors) just after the
-collective returns. If the process group is still alive when Python shuts down, that thread can need
-the GIL during Py_FinalizeEx, and the process aborts. The group's C++ object, and its threads, end
-only when its last reference goes; destroy_process_group() drops torch's own. So each rank runs under
-a wrapper that counts its native threads (/proc/self/task; gloo's are named pt_gloo_runloop and
-gloo_tcp_loop) before init_process_group, right after destroy_process_group, and at exit (the last
-atexit handler, just before the interpreter's teardown), then runs the script unchanged (runpy).
-Prints a table per script ("-": that moment never came, as in a script ending with os._exit) and
-writes JSON (--out), every launch's figures included.
+The race: a gloo worker thread lets go of the last collective's work (and its tensors) just after
+the collective returns. If the process group is still alive when Python shuts down, that thread can
+need the GIL during Py_FinalizeEx, and the process aborts. The group's C++ object, and its threads,
+end only when its last reference goes; destroy_process_group() drops torch's own. So each rank runs
+under a wrapper that counts its native threads (/proc/self/task; gloo's are named pt_gloo_runloop
+and gloo_tcp_loop) before init_process_group, right after destroy_process_group, and at exit (the
+last atexit handler, just before the interpreter's teardown), then runs the script unchanged
+(runpy). Prints a table per script ("-": that moment never came, as in a script ending with
+os._exit) and writes JSON (--out), every launch's figures included.
 """
 
 import argparse
@@ -80,7 +80,8 @@ runpy.run_path(script, run_name="__main__")
 
 
 def snippet_command(path):
-    """(environment, arguments) from the docstring's `Run:  [VAR=value ...] torchrun ... NAME.py [args]`."""
+    """(environment, arguments) from the docstring's `Run:  [VAR=value ...] torchrun ... NAME.py
+    [args]`."""
     line = next((l for l in path.read_text().splitlines() if l.startswith("Run:")), None)
     if line is None or "torchrun" not in line:
         return None
@@ -92,7 +93,8 @@ def snippet_command(path):
 
 
 def jobs(root):
-    """[(name, env, torchrun flags, script path, script args)]; {tmp} and {n}: a temporary folder, the launch."""
+    """[(name, env, torchrun flags, script path, script args)]; {tmp} and {n}: a temporary folder,
+    the launch."""
     found = []
     for name in TRAINING:
         args = [
@@ -177,7 +179,8 @@ def launch(number, job, root, temporary, timeout):
     threads = {}  # (rank, moment): (all, gloo's); the last destroy_process_group of a rank counts
     for rank, when, total, gloo in re.findall(r"^@threads (\d+) (\w+) (\d+) (\d+)$", text, re.M):
         threads[f"{rank} {when}"] = [int(total), int(gloo)]
-    # torchrun's summary names each failed rank's exit code; a negative one is the signal that ended it
+    # torchrun's summary names each failed rank's exit code; a negative one is the signal that ended
+    # it
     rank_codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", text)]
     return {
         "script": name,

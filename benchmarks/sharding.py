@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import ROOT, launch, machine  # noqa: E402
 
 HYBRID = ["--sharding", "hybrid", "--replicate-degree", "2"]
-MEMORY = [  # (label, script, ranks, flags, shard group size: how many ranks share one copy of the state)
+# (label, script, ranks, flags, shard group size: how many ranks share one copy of the state)
+MEMORY = [
     ("DDP", "train_ddp.py", 1, [], 1),
     ("full", "train_fsdp.py", 2, ["--sharding", "full"], 2),
     ("grad-op", "train_fsdp.py", 2, ["--sharding", "grad-op"], 2),

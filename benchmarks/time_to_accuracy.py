@@ -3,10 +3,11 @@
     python benchmarks/time_to_accuracy.py                 # the three default commands, then --epochs 4
     python benchmarks/time_to_accuracy.py --epochs 2      # the default commands only
 
-Each script runs under torchrun on --ranks processes (2: what `bash run_*.sh` starts without GPUs; on a GPU node,
-one per GPU) with its defaults and the bundled MNIST (`--dataset auto`), evaluating after every epoch. The
-seconds are training seconds (evaluations excluded), read from the run's own metrics; the accuracy is the test
-set's after each epoch. Writes time_to_accuracy.json and .md to --out.
+Each script runs under torchrun on --ranks processes (2: what `bash run_*.sh` starts without GPUs;
+on a GPU node, one per GPU) with its defaults and the bundled MNIST (`--dataset auto`), evaluating
+after every epoch. The seconds are training seconds (evaluations excluded), read from the run's own
+metrics; the accuracy is the test set's after each epoch. Writes time_to_accuracy.json and .md to
+--out.
 """
 
 import argparse

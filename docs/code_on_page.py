@@ -12,7 +12,8 @@ A generated block is a fenced code block between two comments, which say what go
     ```...```
     <!-- end generated -->
 
-Paths are relative to the repository's root. Only the fenced block between the comments is rewritten.
+Paths are relative to the repository's root. Only the fenced block between the comments is
+rewritten.
 """
 
 import argparse
