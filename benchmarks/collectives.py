@@ -73,7 +73,8 @@ def parse():
     )
     parser.add_argument(
         "--out",
-        help="where collectives.json goes; default benchmarks/results (--quick: a temporary folder)",
+        help="where collectives.json goes; default benchmarks/results (--quick: a temporary "
+        "folder)",
     )
     parser.add_argument(
         "--plot", help="default docs/images/collectives.png (--quick: beside the JSON)"
@@ -291,7 +292,8 @@ def table(report):
     for entry in report["results"]:
         world_size, found = entry["world_size"], entry["collectives"]
         lines += [
-            f"\nW = {world_size} ({report['backend']}): median seconds per call (send_recv: one way)",
+            f"\nW = {world_size} ({report['backend']}): median seconds per call (send_recv: one "
+            "way)",
             "| bytes | " + " | ".join(COLLECTIVES) + " |",
             "| --- |" + " --- |" * len(COLLECTIVES),
         ]
@@ -305,17 +307,20 @@ def table(report):
         lines.append("")
         for name in COLLECTIVES:
             lines.append(
-                f"{name:>15}: t = α + n·β, {describe(found[name]['alpha_s'], found[name]['beta_s_per_byte'])}"
+                f"{name:>15}: t = α + n·β, "
+                f"{describe(found[name]['alpha_s'], found[name]['beta_s_per_byte'])}"
             )
         model = found["all_reduce"]["ring_model"]
         lines.append(
             f"{'ring model':>15}: from send_recv, 2(W−1)·α' + 2(W−1)/W·n·β' = "
-            f"{describe(model['alpha_s'], model['beta_s_per_byte'])}; measured/model: α {model['alpha_vs_fit']:.2f}, "
+            f"{describe(model['alpha_s'], model['beta_s_per_byte'])}; measured/model: α "
+            f"{model['alpha_vs_fit']:.2f}, "
             f"β {model['beta_vs_fit']:.2f}"
         )
     if report["backend"] == "gloo":
         lines.append(
-            "\nNCCL (GPUs): not measured here; run with --device cuda on a machine with 2 or more GPUs."
+            "\nNCCL (GPUs): not measured here; run with --device cuda on a machine with 2 or more "
+            "GPUs."
         )
     return "\n".join(lines)
 
@@ -348,7 +353,8 @@ def plot(report, path):
                     [model["alpha_s"] + n * model["beta_s_per_byte"] for n in line],
                     "--",
                     color=colour,
-                    label=f"ring model from send_recv: {describe(model['alpha_s'], model['beta_s_per_byte'])}",
+                    label="ring model from send_recv: "
+                    f"{describe(model['alpha_s'], model['beta_s_per_byte'])}",
                 )
                 continue
             ax.plot(
@@ -380,7 +386,8 @@ def plot(report, path):
     m = report["machine"]
     note = " NCCL on GPUs: not measured (no GPU here)." if report["backend"] == "gloo" else ""
     fig.suptitle(
-        f"{report['backend']} on {report['device']}: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "
+        f"{report['backend']} on {report['device']}: {m['cpu']}, {m['cores']} cores, torch "
+        f"{m['torch']}; "
         f"median of {report['repeats']} samples × {report['rounds']} rounds.{note}\n"
         f"Fitted lines: α = the median time up to {bytes_label(SMALL)}, "
         f"β = the median of (t − α) / n from {bytes_label(LARGE)} on.",
@@ -435,7 +442,8 @@ def main():
         args.world_sizes = [w for w in args.world_sizes if w <= torch.cuda.device_count()]
         if not args.world_sizes:
             sys.exit(
-                f"collectives: {torch.cuda.device_count()} GPU(s): one process per GPU, and a collective needs 2"
+                f"collectives: {torch.cuda.device_count()} GPU(s): one process per GPU, and a "
+                "collective needs 2"
             )
     backend = "nccl" if args.device == "cuda" else "gloo"
     results = []
@@ -454,12 +462,14 @@ def main():
         "sample_ms": args.sample_ms,
         "quick": args.quick,
         "dtype": "float32",
-        "message": "n = bytes of the whole tensor: input of broadcast, all_reduce, reduce_scatter; output of all_gather",
+        "message": "n = bytes of the whole tensor: input of broadcast, all_reduce, reduce_scatter; "
+        "output of all_gather",
         "results": results,
     }
     if backend == "gloo":
         report["nccl"] = (
-            "not measured: this run had no GPU; python benchmarks/collectives.py --device cuda on one"
+            "not measured: this run had no GPU; python benchmarks/collectives.py --device cuda on "
+            "one"
         )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

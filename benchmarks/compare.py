@@ -200,7 +200,8 @@ def main():
         "--only",
         choices=("gpu",),
         default=None,
-        help="gpu: figure 6 alone (it needs a GPU), in gpu.json and gpu.md beside a whole run's results.*",
+        help="gpu: figure 6 alone (it needs a GPU), in gpu.json and gpu.md beside a whole run's "
+        "results.*",
     )
     parser.add_argument(
         "--steps",
@@ -230,7 +231,8 @@ def main():
         "--repeats",
         type=int,
         default=None,
-        help="rounds of the throughput runs (figures 1 and 3), interleaved; medians are reported (default 3, quick 1)",
+        help="rounds of the throughput runs (figures 1 and 3), interleaved; medians are reported "
+        "(default 3, quick 1)",
     )
     parser.add_argument(
         "--gpu-steps",
@@ -246,7 +248,8 @@ def main():
     gpus = torch.cuda.device_count()
     if args.only == "gpu" and not gpus:
         print(
-            "error: --only gpu measures figure 6 on GPUs, and torch sees none here (torch.cuda.device_count() is 0)",
+            "error: --only gpu measures figure 6 on GPUs, and torch sees none here "
+            "(torch.cuda.device_count() is 0)",
             file=sys.stderr,
         )
         sys.exit(2)
@@ -588,10 +591,12 @@ def markdown(r):
         g = r["gpu"]
         lines += [
             "",
-            f"Measured on a GPU: {g['gpus']} × {g['name']}; {g['steps']} steps per run, synthetic data, "
+            f"Measured on a GPU: {g['gpus']} × {g['name']}; {g['steps']} steps per run, synthetic "
+            "data, "
             "steady state from the first logging point past a tenth of the run.",
             "",
-            "| 6. run | GPUs | batch per rank | samples/s, whole run | samples/s, steady state | vs bare loop | vs eager train_ddp.py | peak memory per rank |",
+            "| 6. run | GPUs | batch per rank | samples/s, whole run | samples/s, steady state | "
+            "vs bare loop | vs eager train_ddp.py | peak memory per rank |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for row in g["rows"]:
@@ -606,7 +611,8 @@ def markdown(r):
                 else ""
             )
             lines.append(
-                f"| {row['run']} | {row['ranks']} | {row['batch_size']} | {row['samples_per_second']:,.0f} | {steady} | {vs} | {vs_eager} | {memory} |"
+                f"| {row['run']} | {row['ranks']} | {row['batch_size']} | "
+                f"{row['samples_per_second']:,.0f} | {steady} | {vs} | {vs_eager} | {memory} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -629,35 +635,57 @@ def cpu_table(r):
         else ""
     )
     lines = [
-        f"Machine: {r['machine']['cpu']}, {r['machine']['cores']} cores, {r['machine']['gpus']} GPUs, torch {r['machine']['torch']}; "
-        f"{r['steps']} steps at batch {r['batch_size']} per rank, 1 thread per process, synthetic data{rounds}.",
+        f"Machine: {r['machine']['cpu']}, {r['machine']['cores']} cores, {r['machine']['gpus']} "
+        f"GPUs, torch {r['machine']['torch']}; "
+        f"{r['steps']} steps at batch {r['batch_size']} per rank, 1 thread per process, synthetic "
+        f"data{rounds}.",
         "",
         "| figure | measured | reference | ratio | target |",
         "| --- | --- | --- | --- | --- |",
-        f"| 1. overhead: train_ddp.py, 1 process | {o['ddp_1']:,.0f} samples/s | bare loop {o['bare_loop']:,.0f} samples/s | {o['ratio']:.3f}{spread(o, '.3f')} | ≥ {o['target']} |",
-        f"| 2. data path: on-device gather | {d['device_loader_samples_per_second']:,.0f} samples/s | DataLoader + ToTensor/Normalize {d['dataloader_samples_per_second']:,.0f} samples/s | {d['ratio']:,.0f}× | |",
-        f"| 3. scaling: DDP, 2 processes | {s['ddp']['ddp_2']:,.0f} samples/s | 1 process {s['ddp']['ddp_1']:,.0f} samples/s | {s['ddp']['ratio']:.2f}×{spread(s['ddp'], '.2f')} | ≥ {s['target_ddp']}× |",
-        f"| 3. scaling: FSDP, 2 processes | {s['fsdp']['fsdp_2']:,.0f} samples/s | 1 process {s['fsdp']['fsdp_1']:,.0f} samples/s | {s['fsdp']['ratio']:.2f}×{spread(s['fsdp'], '.2f')} | |",
-        f"| 3. scaling: TP, 2 processes (tp 2: one batch, each layer split) | {s['tp']['tp_2']:,.0f} samples/s | DDP, 1 process {s['tp']['ddp_1']:,.0f} samples/s | {s['tp']['ratio']:.2f}×{spread(s['tp'], '.2f')} | |",
-        f"| 3. DDP step on 2 processes, per rank | compute {t['compute_ms']:.1f} ms + waiting for the slower rank {t['wait_ms']:.1f} ms "
-        f"+ all-reduce once both are ready {t['allreduce_ms']:.1f} ms | the same all-reduce between idle ranks {t['idle_allreduce_ms']:.2f} ms "
+        f"| 1. overhead: train_ddp.py, 1 process | {o['ddp_1']:,.0f} samples/s | bare loop "
+        f"{o['bare_loop']:,.0f} samples/s | {o['ratio']:.3f}{spread(o, '.3f')} | ≥ {o['target']} |",
+        f"| 2. data path: on-device gather | {d['device_loader_samples_per_second']:,.0f} "
+        f"samples/s | DataLoader + ToTensor/Normalize {d['dataloader_samples_per_second']:,.0f} "
+        f"samples/s | {d['ratio']:,.0f}× | |",
+        f"| 3. scaling: DDP, 2 processes | {s['ddp']['ddp_2']:,.0f} samples/s | 1 process "
+        f"{s['ddp']['ddp_1']:,.0f} samples/s | {s['ddp']['ratio']:.2f}×{spread(s['ddp'], '.2f')} | "
+        f"≥ {s['target_ddp']}× |",
+        f"| 3. scaling: FSDP, 2 processes | {s['fsdp']['fsdp_2']:,.0f} samples/s | 1 process "
+        f"{s['fsdp']['fsdp_1']:,.0f} samples/s | "
+        f"{s['fsdp']['ratio']:.2f}×{spread(s['fsdp'], '.2f')} | |",
+        "| 3. scaling: TP, 2 processes (tp 2: one batch, each layer split) | "
+        f"{s['tp']['tp_2']:,.0f} samples/s | DDP, 1 process {s['tp']['ddp_1']:,.0f} samples/s | "
+        f"{s['tp']['ratio']:.2f}×{spread(s['tp'], '.2f')} | |",
+        f"| 3. DDP step on 2 processes, per rank | compute {t['compute_ms']:.1f} ms + waiting for "
+        f"the slower rank {t['wait_ms']:.1f} ms "
+        f"+ all-reduce once both are ready {t['allreduce_ms']:.1f} ms | the same all-reduce "
+        f"between idle ranks {t['idle_allreduce_ms']:.2f} ms "
         f"(1 float: {t['idle_allreduce_one_float_ms']:.2f} ms) | | |",
-        f"| 3. ceiling: 2 bare loops at once, no communication | {s['ceiling']['two_bare_loops']:,.0f} samples/s | 1 bare loop {s['ceiling']['bare_loop']:,.0f} samples/s | {s['ceiling']['ratio']:.2f}×{spread(s['ceiling'], '.2f')} | |",
+        "| 3. ceiling: 2 bare loops at once, no communication | "
+        f"{s['ceiling']['two_bare_loops']:,.0f} samples/s | 1 bare loop "
+        f"{s['ceiling']['bare_loop']:,.0f} samples/s | "
+        f"{s['ceiling']['ratio']:.2f}×{spread(s['ceiling'], '.2f')} | |",
     ]
     for ranks, row in mem["fsdp"].items():
         lines.append(
-            f"| 4. memory: FSDP, {ranks} rank(s), width {mem['width']} | {row['max_state_bytes']:,} bytes (largest rank) | "
-            f"DDP / {ranks} = {mem['ddp_state_bytes'] / int(ranks):,.0f} bytes | {row['ratio_to_ddp_over_n']:.4f} | ≤ {mem['target']} |"
+            f"| 4. memory: FSDP, {ranks} rank(s), width {mem['width']} | "
+            f"{row['max_state_bytes']:,} bytes (largest rank) | "
+            f"DDP / {ranks} = {mem['ddp_state_bytes'] / int(ranks):,.0f} bytes | "
+            f"{row['ratio_to_ddp_over_n']:.4f} | ≤ {mem['target']} |"
         )
     for ranks, row in mem.get("tp", {}).items():
         lines.append(
-            f"| 4. memory: TP, {ranks} rank(s), width {mem['width']} | {row['max_state_bytes']:,} bytes (largest rank) | "
-            f"DDP / {ranks} = {mem['ddp_state_bytes'] / int(ranks):,.0f} bytes | {row['ratio_to_ddp_over_n']:.4f} | |"
+            f"| 4. memory: TP, {ranks} rank(s), width {mem['width']} | {row['max_state_bytes']:,} "
+            "bytes (largest rank) | "
+            f"DDP / {ranks} = {mem['ddp_state_bytes'] / int(ranks):,.0f} bytes | "
+            f"{row['ratio_to_ddp_over_n']:.4f} | |"
         )
     for row in r["pipeline"]["rows"]:
         lines.append(
-            f"| 5. pipeline: {row['schedule']}, p = {r['pipeline']['stages']}, m = {row['microbatches']} | "
-            f"{row['measured_step_seconds'] * 1000:.1f} ms/step | ideal (m+p−1)·t_stage {row['ideal_step_seconds'] * 1000:.1f} ms "
+            f"| 5. pipeline: {row['schedule']}, p = {r['pipeline']['stages']}, m = "
+            f"{row['microbatches']} | "
+            f"{row['measured_step_seconds'] * 1000:.1f} ms/step | ideal (m+p−1)·t_stage "
+            f"{row['ideal_step_seconds'] * 1000:.1f} ms "
             f"(bubble {row['bubble_fraction']:.0%}) | {row['ratio']:.2f} | |"
         )
     return lines

@@ -239,12 +239,15 @@ def main():
                 records.append(record)
                 if record["code"] != EXPECTED.get(record["script"], 0):
                     print(
-                        f"launch {len(records)}: {record['script']} unexpected ({why(record)}):\n{record['tail']}",
+                        f"launch {len(records)}: {record['script']} unexpected "
+                        f"({why(record)}):\n{record['tail']}",
                         flush=True,
                     )
     print(
-        f"\n{args.launches} launches, {args.parallel} at a time, torch {torch.__version__}, {os.cpu_count()} cores,"
-        f" root {args.root}\nthreads: median over launches of the larger rank's count (max), all of them / gloo's\n"
+        f"\n{args.launches} launches, {args.parallel} at a time, torch {torch.__version__}, "
+        f"{os.cpu_count()} cores,"
+        f" root {args.root}\nthreads: median over launches of the larger rank's count (max), all "
+        "of them / gloo's\n"
     )
     print(
         "| script | launches | unexpected exits | threads before init | after destroy | at exit "

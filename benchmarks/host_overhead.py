@@ -117,16 +117,20 @@ results["script_cost"] = results["train_ddp"] - results["bare_loop"]
 m = results["machine"]
 table = "\n".join(
     [
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['gpus']} GPUs, torch {m['torch']}; device {args.device}, batch 1, "
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['gpus']} GPUs, torch {m['torch']}; device "
+        f"{args.device}, batch 1, "
         f"{args.steps} steps per run, medians of {args.repeats} rounds.",
         "",
         "| run | µs per step | over the bare loop |",
         "| --- | --- | --- |",
         f"| bare loop | {results['bare_loop']:,.0f} | |",
-        f"| bare loop in DDP, one process | {results['bare_loop_ddp']:,.0f} | {results['ddp_cost']:+,.0f} µs |",
-        f"| train_ddp.py, one process | {results['train_ddp']:,.0f} | {results['script_cost']:+,.0f} µs |",
+        f"| bare loop in DDP, one process | {results['bare_loop_ddp']:,.0f} | "
+        f"{results['ddp_cost']:+,.0f} µs |",
+        f"| train_ddp.py, one process | {results['train_ddp']:,.0f} | "
+        f"{results['script_cost']:+,.0f} µs |",
         "",
-        f"Start-up: `import torch` {results['import_torch_seconds']:.2f} s; train_ddp.py, a 1-step run on MNIST, "
+        f"Start-up: `import torch` {results['import_torch_seconds']:.2f} s; train_ddp.py, a 1-step "
+        "run on MNIST, "
         f"{results['first_step_seconds']:.2f} s from start to exit.",
     ]
 )

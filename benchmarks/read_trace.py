@@ -78,7 +78,8 @@ def main():
     if not paths:
         parser.exit(
             2,
-            f"error: no trace-rank*.json in {args.log_dir}: run with --profile-steps A:B --log-dir DIR\n",
+            f"error: no trace-rank*.json in {args.log_dir}: run with --profile-steps A:B --log-dir "
+            "DIR\n",
         )
     ranks = [read_rank(path) for path in paths]
     for rank, steps in enumerate(ranks):
@@ -88,8 +89,10 @@ def main():
                 for kind, n in sorted(step["issued"].items())
             )
             print(
-                f"rank {rank}, step {index + 1}: {step['step_ms']:.1f} ms, waiting on communication "
-                f"{step['wait_ms']:.1f} ms ({step['wait_ms'] / step['step_ms']:.0%}); issued {calls or 'nothing'}"
+                f"rank {rank}, step {index + 1}: {step['step_ms']:.1f} ms, waiting on "
+                "communication "
+                f"{step['wait_ms']:.1f} ms ({step['wait_ms'] / step['step_ms']:.0%}); issued "
+                f"{calls or 'nothing'}"
             )
     if args.metrics:
         args.metrics.write_text(json.dumps({"ranks": ranks}, indent=1))

@@ -63,7 +63,8 @@ def run(seconds, steps, ranks, directory):
     process = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if process.returncode:
         sys.exit(
-            f"stop_check.py: a run failed with exit code {process.returncode}:\n{process.stderr[-2000:]}"
+            "stop_check.py: a run failed with exit code "
+            f"{process.returncode}:\n{process.stderr[-2000:]}"
         )
     return steady_state(json.loads(metrics.read_text()))[1]
 

@@ -90,7 +90,8 @@ def main():
     lines = [
         f"Measured on {m['cpu']} ({m['cores']} cores, {m['gpus']} GPUs), torch {m['torch']}.",
         "",
-        "| script | epochs | ranks | global batch | peak lr | accuracy after each epoch | to 98 % | to 99 % |",
+        "| script | epochs | ranks | global batch | peak lr | accuracy after each epoch | to 98 % "
+        "| to 99 % |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
@@ -100,7 +101,8 @@ def main():
             for k in ("seconds_to_98", "seconds_to_99")
         ]
         lines.append(
-            f"| {r['script']} | {r['epochs']} | {r['ranks']} | {r['global_batch_size']} | {r['peak_lr']:g} | "
+            f"| {r['script']} | {r['epochs']} | {r['ranks']} | {r['global_batch_size']} | "
+            f"{r['peak_lr']:g} | "
             f"{after} % | {to[0]} | {to[1]} |"
         )
     (out / "time_to_accuracy.md").write_text("\n".join(lines) + "\n")

@@ -76,7 +76,8 @@ def run(watched, directory):
         process = subprocess.run(command, cwd=ROOT, env=env, capture_output=True)
     if process.returncode:
         sys.exit(
-            f"watch_overhead.py: {' '.join(map(str, command))} failed with exit code {process.returncode}"
+            f"watch_overhead.py: {' '.join(map(str, command))} failed with exit code "
+            f"{process.returncode}"
         )
     return steady_state(json.loads(metrics.read_text()))[1]
 

@@ -91,7 +91,8 @@ def main():
                 page.write_text(new)
     if args.check and stale:
         print(
-            f"stale generated code in {', '.join(map(str, stale))}: run python docs/code_on_page.py",
+            f"stale generated code in {', '.join(map(str, stale))}: run python "
+            "docs/code_on_page.py",
             file=sys.stderr,
         )
         return 1

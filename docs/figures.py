@@ -672,11 +672,15 @@ def draw_fsdp(data, path):
         )
     frame(
         fig,
-        f"FSDP2: which rows of each BabyCNN parameter each of {data['world_size']} ranks holds after "
+        f"FSDP2: which rows of each BabyCNN parameter each of {data['world_size']} ranks holds "
+        "after "
         "fully_shard (each block, then the root, as train_fsdp.py does)",
-        "Every rank wrote its rank number into its shard (param.to_local()), and full_tensor() gathered the "
-        "shards back: row i of the result names its holder. Dim 0 is cut like torch.chunk, ceil(rows / ranks) "
-        "each,\nso blocks.3.fc's 10 rows split 3 / 3 / 3 / 1. In the hybrid mesh ranks 0 and 2 hold the same "
+        "Every rank wrote its rank number into its shard (param.to_local()), and full_tensor() "
+        "gathered the "
+        "shards back: row i of the result names its holder. Dim 0 is cut like torch.chunk, "
+        "ceil(rows / ranks) "
+        "each,\nso blocks.3.fc's 10 rows split 3 / 3 / 3 / 1. In the hybrid mesh ranks 0 and 2 "
+        "hold the same "
         "rows (replicas, one per node), and so do ranks 1 and 3.",
         top=1.25,
         bottom=0.75,
@@ -752,7 +756,8 @@ def draw_sampler(data, path):
             rest = f"positions {n - len(p['dropped'])}–{n - 1} dropped (grey)"
         elif p["repeated"]:
             rest = (
-                f"padded to {len(dealt)} by repeating the first {len(p['repeated'])} indices (dashed): "
+                f"padded to {len(dealt)} by repeating the first {len(p['repeated'])} indices "
+                "(dashed): "
                 f"samples {' and '.join(map(str, p['repeated']))} are seen twice this epoch"
             )
         else:
@@ -767,12 +772,17 @@ def draw_sampler(data, path):
     )
     frame(
         fig,
-        f"DistributedSampler over {n} samples (shuffle=True, seed={data['seed']}, epoch {data['epoch']}): "
+        f"DistributedSampler over {n} samples (shuffle=True, seed={data['seed']}, epoch "
+        f"{data['epoch']}): "
         "each rank's share",
-        "Every rank draws the same permutation from seed + epoch (set_epoch changes it each epoch) and takes "
-        "every W-th entry from position r, so every rank gets the same count.\nWhen W does not divide the "
-        "samples, drop_last=True (the scripts' setting) leaves the last positions to no rank; drop_last=False "
-        "(the default) pads the order with its\nfirst indices instead, so a few samples count twice.",
+        "Every rank draws the same permutation from seed + epoch (set_epoch changes it each epoch) "
+        "and takes "
+        "every W-th entry from position r, so every rank gets the same count.\nWhen W does not "
+        "divide the "
+        "samples, drop_last=True (the scripts' setting) leaves the last positions to no rank; "
+        "drop_last=False "
+        "(the default) pads the order with its\nfirst indices instead, so a few samples count "
+        "twice.",
         top=1.25,
         bottom=0.55,
         left=1.0,
@@ -850,11 +860,15 @@ def draw_ring(data, path):
     ax.axis("off")
     frame(
         fig,
-        f"Ring all-reduce on {world} ranks, each tensor cut in {world} chunks: {world - 1} reduce-scatter "
+        f"Ring all-reduce on {world} ranks, each tensor cut in {world} chunks: {world - 1} "
+        "reduce-scatter "
         f"steps, then {world - 1} all-gather steps",
-        "A cell lists the ranks whose inputs that rank's copy of the chunk sums so far. Each row is the state "
-        "before its step; the outlined chunk is the one the rank sends to the next rank on the ring.\n"
-        f"Every rank sends {steps} chunks of 1/{world}: {share} of its tensor, 2(W−1)/W, which nears 2 as W grows; "
+        "A cell lists the ranks whose inputs that rank's copy of the chunk sums so far. Each row "
+        "is the state "
+        "before its step; the outlined chunk is the one the rank sends to the next rank on the "
+        "ring.\n"
+        f"Every rank sends {steps} chunks of 1/{world}: {share} of its tensor, 2(W−1)/W, which "
+        "nears 2 as W grows; "
         f"and the {steps} = 2(W−1) steps each pay the link's latency α, so n bytes cost about "
         "2(W−1)·α + 2(W−1)/W·n·β\n(β: seconds per byte), a latency term that grows with W. "
         f"Checked against a real dist.all_reduce (gloo): {data['result'][0]} on every rank.",
@@ -871,7 +885,8 @@ def draw_mesh(data, path):
     fig, axes = figure((13, 4.8), 1, len(data["meshes"]))
     captions = {
         "pipeline": "train_pippy.py --data-parallel 2: init_device_mesh(..., (2, 2), ('pp', 'dp'))",
-        "hybrid": "train_fsdp.py --sharding hybrid: init_device_mesh(..., (2, 2), ('replicate', 'shard'))",
+        "hybrid": "train_fsdp.py --sharding hybrid: init_device_mesh(..., (2, 2), ('replicate', "
+        "'shard'))",
     }
     width, height, step_x, step_y = (
         1.5,
@@ -952,11 +967,15 @@ def draw_mesh(data, path):
         ax.set_title(captions[label], fontsize=9.5)
     frame(
         fig,
-        f"Device meshes on {nodes} nodes x {per_node} processes (torchrun numbers rank = node x {per_node} "
+        f"Device meshes on {nodes} nodes x {per_node} processes (torchrun numbers rank = node x "
+        f"{per_node} "
         "+ local rank)",
-        "Lines join the ranks of one process group. Pipeline: a stage's replicas (dp) share a node, so the "
-        "gradient all-reduce of every step stays on the fast links;\nonly activations cross nodes. Hybrid FSDP: "
-        "shards within a node (all-gathers every step), replicas across nodes (one all-reduce of shards).",
+        "Lines join the ranks of one process group. Pipeline: a stage's replicas (dp) share a "
+        "node, so the "
+        "gradient all-reduce of every step stays on the fast links;\nonly activations cross nodes. "
+        "Hybrid FSDP: "
+        "shards within a node (all-gathers every step), replicas across nodes (one all-reduce of "
+        "shards).",
         top=1.15,
         bottom=0.45,
         left=0.7,

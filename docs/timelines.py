@@ -753,8 +753,10 @@ def draw_ddp(data, path):
             ax,
             [[e for e in events if e[0] != "step"] for events in run["times"]["events"]],
             horizon / 200,
-            f"{cap}: {len(run['buckets'])} bucket{'s' if len(run['buckets']) > 1 else ''} ({sizes}). "
-            f"All-reduce in flight during backward: {in_flight} ms; after it: {exposed} ms (ranks 0 and 1)",
+            f"{cap}: {len(run['buckets'])} bucket{'s' if len(run['buckets']) > 1 else ''} "
+            f"({sizes}). "
+            f"All-reduce in flight during backward: {in_flight} ms; after it: {exposed} ms (ranks "
+            "0 and 1)",
             sublanes=len(run["buckets"]),
         )
         for rank, end in enumerate(run["times"]["backward_end"]):
@@ -791,11 +793,15 @@ def draw_ddp(data, path):
     )
     frame(
         fig,
-        f"One DDP step of BabyCNN on {data['world_size']} ranks (gloo, CPU, batch {data['batch_size']} per "
+        f"One DDP step of BabyCNN on {data['world_size']} ranks (gloo, CPU, batch "
+        f"{data['batch_size']} per "
         "rank), measured: when each bucket's all-reduce runs",
-        "Backward runs from the last block to the first (B3 first). A bucket's all-reduce starts when its last "
-        "gradient is ready and ends when both ranks have sent it: one that starts\nbefore the dotted line "
-        "overlaps the backward. Forward and backward: module hooks; all-reduce: a DDP comm hook. The median of "
+        "Backward runs from the last block to the first (B3 first). A bucket's all-reduce starts "
+        "when its last "
+        "gradient is ready and ends when both ranks have sent it: one that starts\nbefore the "
+        "dotted line "
+        "overlaps the backward. Forward and backward: module hooks; all-reduce: a DDP comm hook. "
+        "The median of "
         f"{RECORDED} measured steps.",
         top=1.05,
         bottom=1.15,
@@ -834,8 +840,10 @@ def draw_fsdp(data, path):
                 color=colour,
                 linewidth=1.2,
                 drawstyle="steps-post",
-                label=f"rank {rank}: {s['times']['after_forward_mib'][rank]:.1f} MiB at the end of forward "
-                f"(dotted); highest {s['times']['peak_mib'][rank]:.1f} MiB, gloo's buffers included",
+                label=f"rank {rank}: {s['times']['after_forward_mib'][rank]:.1f} MiB at the end of "
+                "forward "
+                f"(dotted); highest {s['times']['peak_mib'][rank]:.1f} MiB, gloo's buffers "
+                "included",
             )
             end = s["times"]["forward_end"][rank]
             mem.plot(
@@ -872,11 +880,16 @@ def draw_fsdp(data, path):
         fig,
         f"One FSDP2 step of BabyCNN --width {data['width']} ({data['parameters']:,} parameters) on "
         f"{data['world_size']} ranks (gloo, CPU, batch {data['batch_size']} per rank), measured",
-        "Compute and collectives from FSDP's own profiler ranges; memory: every CPU allocation and free the "
-        "profiler saw during the step (profile_memory=True), above what the rank held before it\n(its shards and "
-        f"optimizer state). full gathers blocks 0-2 again in backward; grad-op keeps them from forward. "
-        f"The median of {RECORDED} measured steps.\nOn a CPU, FSDP waits for each collective it calls (no second "
-        "stream to run it on), so compute and collectives take turns. The highest level includes buffers that "
+        "Compute and collectives from FSDP's own profiler ranges; memory: every CPU allocation and "
+        "free the "
+        "profiler saw during the step (profile_memory=True), above what the rank held before "
+        "it\n(its shards and "
+        "optimizer state). full gathers blocks 0-2 again in backward; grad-op keeps them from "
+        "forward. "
+        f"The median of {RECORDED} measured steps.\nOn a CPU, FSDP waits for each collective it "
+        "calls (no second "
+        "stream to run it on), so compute and collectives take turns. The highest level includes "
+        "buffers that "
         "gloo's thread frees late,\nso it moves from run to run.",
         top=1.4,
         bottom=1.15,
@@ -922,7 +935,8 @@ def draw_pipeline(data, path):
         per_rank = len(s["stages"][0])
         idle = ", ".join(f"{100 * f:.0f}%" for f in s["times"]["idle_fraction"])
         ax.set_title(
-            f"{name}: {s['schedule_class']}, {per_rank} stage{'s' if per_rank > 1 else ''} per rank — "
+            f"{name}: {s['schedule_class']}, {per_rank} stage{'s' if per_rank > 1 else ''} per "
+            "rank — "
             f"step {s['times']['step_length_ms']:.1f} ms, idle per rank {idle}",
             loc="left",
             fontsize=10,
@@ -958,12 +972,16 @@ def draw_pipeline(data, path):
     )
     frame(
         fig,
-        f"Pipeline schedules on {data['pipeline_ranks']} ranks, {data['microbatches']} microbatches of "
-        f"{data['batch_size'] // data['microbatches']} samples (train_pippy.py --schedule NAME --batch-size "
+        f"Pipeline schedules on {data['pipeline_ranks']} ranks, {data['microbatches']} "
+        "microbatches of "
+        f"{data['batch_size'] // data['microbatches']} samples (train_pippy.py --schedule NAME "
+        "--batch-size "
         f"{data['batch_size']} --microbatches {data['microbatches']}), measured",
         "Each action at the time it ran in one real schedule.step() (the median of "
-        f"{RECORDED}). F forward (dark), B full backward (light), I input-gradient half of a backward (light), "
-        "W weight-gradient half (hatched);\nthe number is the microbatch, the colour the stage. Grey: the rank "
+        f"{RECORDED}). F forward (dark), B full backward (light), I input-gradient half of a "
+        "backward (light), "
+        "W weight-gradient half (hatched);\nthe number is the microbatch, the colour the stage. "
+        "Grey: the rank "
         "computes nothing.",
         top=1.2,
         bottom=0.85,
@@ -988,8 +1006,10 @@ def main():
         14,
     ):  # as docs/figures.py: the committed pictures were drawn with torch 2.14
         sys.exit(
-            f"error: on torch {torch.__version__}, zbv cannot run on gloo (its schedule sends between a rank's "
-            "own neighbouring stages, and gloo cannot send to its own rank): draw the timelines with a later "
+            f"error: on torch {torch.__version__}, zbv cannot run on gloo (its schedule sends "
+            "between a rank's "
+            "own neighbouring stages, and gloo cannot send to its own rank): draw the timelines "
+            "with a later "
             "torch"
         )
     args.out.mkdir(parents=True, exist_ok=True)

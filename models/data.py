@@ -64,11 +64,13 @@ def add_arguments(
         "--dataset",
         choices=("auto", "synthetic", *_TORCHVISION),
         default="auto",
-        help="auto: the MNIST files in models/mnist/, no network; mnist: a copy in --data-dir; synthetic: for tests",
+        help="auto: the MNIST files in models/mnist/, no network; mnist: a copy in --data-dir; "
+        "synthetic: for tests",
     )
     add(
         "--data-dir",
-        help="where mnist, fashion-mnist and cifar10 are read from and downloaded to (default: ./data); "
+        help="where mnist, fashion-mnist and cifar10 are read from and downloaded to (default: "
+        "./data); "
         "not with --dataset auto",
     )
     add(
@@ -87,7 +89,8 @@ def find(name, data_dir, download=True):
         name == "auto" and data_dir is not None
     ):  # never read: say so, rather than train on other data than asked
         raise DataError(
-            f"--data-dir {data_dir} is not read with --dataset auto, which trains on the MNIST files in "
+            f"--data-dir {data_dir} is not read with --dataset auto, which trains on the MNIST "
+            "files in "
             f"{BUNDLED}: add --dataset mnist to train on the MNIST files in {data_dir}"
         )
     if name == "shakespeare":  # the text in models/tinyshakespeare/: checked here, never downloaded
@@ -110,7 +113,8 @@ def find(name, data_dir, download=True):
         folder, os.R_OK | os.X_OK
     ):  # not "missing": the fix is another
         found["broken"] = (
-            f"{os.path.abspath(folder)} cannot be read by this user (permission denied): let it read it"
+            f"{os.path.abspath(folder)} cannot be read by this user (permission denied): let it "
+            "read it"
         )
         return found
     found["missing"] = None if _on_disk(wanted, data_dir) else "--no-download forbids fetching it"
@@ -133,7 +137,8 @@ def find(name, data_dir, download=True):
             if train_images.shape[1:] != test_images.shape[1:]:
                 raise DataError(
                     f"{wanted} in {found['data_dir']} has training images of shape "
-                    f"{tuple(train_images.shape[1:])} but test images of {tuple(test_images.shape[1:])}"
+                    f"{tuple(train_images.shape[1:])} but test images of "
+                    f"{tuple(test_images.shape[1:])}"
                 )
         except DataError as error:
             found["broken"], found["splits"] = str(error), None
@@ -241,7 +246,8 @@ def _agree(name, answers, log):
     files = os.path.join(first["data_dir"], _FILES[wanted])
     shared = " on every node (or on storage all nodes share)" if several else ""
     raise DataError(
-        f"{wanted} is not in {where}{others} and {first['missing']}: put the files in {files}{shared}, "
+        f"{wanted} is not in {where}{others} and {first['missing']}: put the files in "
+        f"{files}{shared}, "
         "or pick --dataset synthetic"
     )
 
@@ -310,7 +316,8 @@ def _read(name, data_dir, train):
         raise DataError(f"{images_path} holds no images")
     if len(labels) != len(images):
         raise DataError(
-            f"{labels_path} holds {len(labels)} labels for the {len(images)} images in {images_path}; "
+            f"{labels_path} holds {len(labels)} labels for the {len(images)} images in "
+            f"{images_path}; "
             "the two files must match"
         )
     if min(images.shape[1:]) < 4:

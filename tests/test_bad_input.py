@@ -286,7 +286,8 @@ def test_help_prints_once_and_a_missing_script_is_one_line():
     assert run.returncode == 0 and run.output.count("usage: train_fsdp.py") == 1, run.output
     run = Run(["bash", ROOT / "launch.sh", "train_nope.py"], env=launcher_env()).wait()
     assert run.returncode == 2 and run.output.splitlines() == [
-        f"error: no training script {ROOT}/train_nope.py: use run_ddp.sh, run_fsdp.sh, run_pippy.sh or run_tp.sh "
+        f"error: no training script {ROOT}/train_nope.py: use run_ddp.sh, run_fsdp.sh, "
+        "run_pippy.sh or run_tp.sh "
         "(or bash launch.sh train_ddp.py|train_fsdp.py|train_pippy.py|train_tp.py)"
     ], run.output
 
@@ -296,7 +297,8 @@ def with_full_disk(directory, command, before=":"):
     namespace: no root needed), ``before`` run there first; what the directory holds at the end is
     listed in ``directory``.left."""
     script = (
-        f'mount -t tmpfs -o size=300k tmpfs "{directory}" && cd "{directory}" && {before} && "$@"; code=$?; '
+        f'mount -t tmpfs -o size=300k tmpfs "{directory}" && cd "{directory}" && {before} && "$@"; '
+        "code=$?; "
         f'find . -mindepth 1 | sort > "{directory}.left"; exit $code'
     )
     return Run(
@@ -382,7 +384,8 @@ def test_a_full_disk_is_one_line_that_names_the_path_and_the_space(mnist_dir, tm
                 "error: checkpoint step-10 was not written to ck (the disk is full: "
             )
             assert line.endswith(
-                "the ones saved before it are intact; fix that, and the same command resumes from them"
+                "the ones saved before it are intact; fix that, and the same command resumes from "
+                "them"
             )
             assert left.split() == ["./ck"], left  # no .tmp-step-10 left behind
 

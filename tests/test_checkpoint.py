@@ -440,15 +440,16 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_newest_intact_one_resumes(
     )
     aside = checkpoints / "damaged-step-40"
     assert (
-        f"checkpoint {checkpoints}/step-40 is damaged ({data_file.name} does not match its SHA-256 in "
+        f"checkpoint {checkpoints}/step-40 is damaged ({data_file.name} does not match its SHA-256 "
+        "in "
         f"checkpoint.json): moved it to {aside}"
     ) in run.output
     assert (aside / data_file.name).read_bytes() == damaged  # set aside as it was, never deleted
     assert f"resumed from {checkpoints}/step-30 (step 30, epoch 2)" in run.output
     # step 30 ended sample 320 of epoch 2; at global batch 48 the steps start at 0, 48, ..., 288
     assert (
-        "the global batch changed from 32 to 48: epoch 2 continues at sample 288, not 320, so 32 samples"
-        in run.output
+        "the global batch changed from 32 to 48: epoch 2 continues at sample 288, not 320, so 32 "
+        "samples" in run.output
     )
     assert (
         checkpoints / "step-40" / "checkpoint.json"
@@ -473,15 +474,18 @@ def test_bad_checkpoints_are_one_line_errors(uninterrupted, mnist_dir, tmp_path)
             1,
             "train_ddp.py",
             ["--checkpoint-dir", broken],
-            f"no intact checkpoint in {broken}: step-40: .metadata: No such file or directory; step-30: checkpoint.json "
+            f"no intact checkpoint in {broken}: step-40: .metadata: No such file or directory; "
+            "step-30: checkpoint.json "
             "is unreadable: Expecting property name",
         ),
         (
             1,
             "train_ddp.py",
             ["--checkpoint-dir", intact, "--width", "2"],
-            f"checkpoint {intact}/step-40 does not load into this run (Size mismatch between saved torch.Size([8, 1, 3, "
-            "3]) and current: torch.Size([16, 1, 3, 3]) for model.blocks.0.conv1.weight): another model's? use another "
+            f"checkpoint {intact}/step-40 does not load into this run (Size mismatch between saved "
+            "torch.Size([8, 1, 3, "
+            "3]) and current: torch.Size([16, 1, 3, 3]) for model.blocks.0.conv1.weight): another "
+            "model's? use another "
             "--checkpoint-dir",
         ),
         (
@@ -494,7 +498,8 @@ def test_bad_checkpoints_are_one_line_errors(uninterrupted, mnist_dir, tmp_path)
             1,
             "train_ddp.py",
             ["--checkpoint-dir", intact, "--resume-from", "step-20"],
-            f"--resume-from step-20 is not an intact checkpoint (checkpoint.json is unreadable: [Errno 2] "
+            "--resume-from step-20 is not an intact checkpoint (checkpoint.json is unreadable: "
+            "[Errno 2] "
             f"No such file or directory: '{intact}/step-20/checkpoint.json')",
         ),
     ]

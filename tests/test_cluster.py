@@ -168,7 +168,8 @@ def test_slurm_two_nodes_stop_before_the_time_limit_requeue_and_end_like_one_nod
         ),
         (
             "fsdp",
-            "error: SLURM_JOB_ID is not set: submit this with sbatch (sbatch slurm/train.sbatch fsdp ...), "
+            "error: SLURM_JOB_ID is not set: submit this with sbatch (sbatch slurm/train.sbatch "
+            "fsdp ...), "
             "or on one machine use bash run_fsdp.sh",
         ),
     ],

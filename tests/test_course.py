@@ -67,7 +67,8 @@ TERMS = {
     "reduce-scatter": r"\breduce[-_ ]scatter(s|ed|ing)?\b",
     "rendezvous": r"\brendezvous\b",
     "replica": r"\breplicas?\b",
-    "schedule": r"\bschedule\.step\b|--schedule\b|\bpipeline schedules?\b|\bschedules?(?= \((GPipe|1F1B))",
+    "schedule": r"\bschedule\.step\b|--schedule\b|\bpipeline schedules?\b|\bschedules?(?= "
+    r"\((GPipe|1F1B))",
     "shard": r"\bshards?\b",
     "stage": r"\bstages?\b",
     "store": r"\bTCPStore\b|\bHashStore\b|\b(key-value|rendezvous|shared) store\b",
@@ -238,7 +239,8 @@ def test_the_rule_finds_an_unlinked_term(tmp_path):
     linked = tmp_path / "linked.md"
     linked.write_text(
         f"# A page\n\n[README]({docs}/../README.md) → **here**\n\n- [A page](#a-page)\n\n"
-        f"Each [rank]({docs}/glossary.md#rank) joins the\n[process group]({docs}/concepts.md#rank).\n"
+        f"Each [rank]({docs}/glossary.md#rank) joins the\n[process "
+        f"group]({docs}/concepts.md#rank).\n"
         "```bash\nworld size in code does not count\n```\n"
     )
     assert first_use_problems(linked, entries) == []

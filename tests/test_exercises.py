@@ -67,13 +67,15 @@ FORMS = [
     (
         "near",
         re.compile(
-            r"(?P<run>\S+\.json) (?P<key>\S+) ~ (?P<other>\S+\.json) (?P<other_key>\S+) within (?P<tol>\S+)$"
+            r"(?P<run>\S+\.json) (?P<key>\S+) ~ (?P<other>\S+\.json) (?P<other_key>\S+) within "
+            r"(?P<tol>\S+)$"
         ),
     ),
     (
         "far",
         re.compile(
-            r"(?P<run>\S+\.json) (?P<key>\S+) !~ (?P<other>\S+\.json) (?P<other_key>\S+) beyond (?P<tol>\S+)$"
+            r"(?P<run>\S+\.json) (?P<key>\S+) !~ (?P<other>\S+\.json) (?P<other_key>\S+) beyond "
+            r"(?P<tol>\S+)$"
         ),
     ),
     (

@@ -120,7 +120,8 @@ def test_a_terminal_shows_one_bar_a_stop_line_and_a_resume_that_starts_at_its_ch
     )  # no plain step lines in a terminal
     bar = next(line for line in reversed(screen) if "step/s" in line or "s/step" in line)
     assert re.match(
-        rf"epoch \d: +\d+%\|.*\| {stopped_at}/120 \[\d\d:\d\d<\d\d:\d\d, .*loss \(all ranks\) \d\.\d{{4}}, "
+        rf"epoch \d: +\d+%\|.*\| {stopped_at}/120 \[\d\d:\d\d<\d\d:\d\d, .*loss \(all ranks\) "
+        rf"\d\.\d{{4}}, "
         r"[\d,]+ samples/s\]$",
         bar,
     ), bar

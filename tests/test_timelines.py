@@ -76,8 +76,10 @@ def test_timelines_match_the_committed_ones(tmp_path, committed):
     fresh = json.loads((tmp_path / "timelines.json").read_text())
     stale = differences(structure(fresh), structure(committed))
     assert not stale, (
-        "docs/images/timelines.json is out of date: the code (or torch) now runs a step another way. "
-        "Run `python docs/timelines.py`, look at the PNGs, update the numbers the pages read from them "
+        "docs/images/timelines.json is out of date: the code (or torch) now runs a step another "
+        "way. "
+        "Run `python docs/timelines.py`, look at the PNGs, update the numbers the pages read from "
+        "them "
         "and commit docs/images/.\n" + "\n".join(stale)
     )
     for figure in fresh.values():
