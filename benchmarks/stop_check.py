@@ -1,7 +1,8 @@
-"""What the stop agreement costs: steady-state samples/s of train_ddp.py on 2 CPU processes with the ranks comparing
-their signals about once a second (hardening.StopSignals.SECONDS = 1, the scripts' own), beside the
-same run that compares only at logging steps (as the old plumbing did) and one that compares at
-every step. Prints a JSON line; the runs rotate, so a machine's drift falls on all three.
+"""What the stop agreement costs: steady-state samples/s of train_ddp.py on 2 CPU processes with the
+ranks comparing their signals about once a second (hardening.StopSignals.SECONDS = 1, the scripts'
+own), beside the same run that compares only at logging steps (as the old plumbing did) and one that
+compares at every step. Prints a JSON line; the runs rotate, so a machine's drift falls on all
+three.
 
     python benchmarks/stop_check.py                       # 2 CPU processes, 5 rounds of 3 runs
     python benchmarks/stop_check.py --rounds 3 --steps 600

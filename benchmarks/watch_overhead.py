@@ -1,6 +1,7 @@
-"""What watching a run costs: steady-state samples/s of train_ddp.py with rank 0's progress bar drawn in a terminal
-and --log-dir's CSV (and TensorBoard events, where installed) on, beside the same run piped with
-neither. Prints a JSON line; the runs alternate, so a machine's drift falls on both.
+"""What watching a run costs: steady-state samples/s of train_ddp.py with rank 0's progress bar
+drawn in a terminal and --log-dir's CSV (and TensorBoard events, where installed) on, beside the
+same run piped with neither. Prints a JSON line; the runs alternate, so a machine's drift falls on
+both.
 
     python benchmarks/watch_overhead.py                       # 2 CPU processes, 6 pairs of runs
     python benchmarks/watch_overhead.py --pairs 3 --steps 600

@@ -95,10 +95,10 @@ def now():
     return time.perf_counter_ns()
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Part 1: what the two gloo processes record. Everything that needs a real process group happens
 # here.
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def ddp_steps(bucket_cap_mb):
@@ -401,13 +401,15 @@ def record_in_process_group():
         return json.loads(result_file.read_text())
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Part 2: turn the records into the data each picture draws (timelines.json): structure, and "times".
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Part 2: turn the records into the data each picture draws (timelines.json): structure, and
+# "times".
+# --------------------------------------------------------------------------------------------------
 
 
 def median_step(per_rank_steps, bounds):
-    """The index of the step whose duration (first start to last end over the ranks) is the median."""
+    """The index of the step whose duration (first start to last end over the ranks) is the
+    median."""
     durations = []
     for k in range(len(per_rank_steps[0])):
         starts, ends = zip(*(bounds(steps[k]) for steps in per_rank_steps))
@@ -643,9 +645,9 @@ def pipeline_data(records):
     )
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Part 3: draw. Each function draws only from its part of timelines.json.
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def block_of(label):

@@ -1,4 +1,5 @@
-"""Image data for the three training scripts: map-style Datasets, held whole as tensors on the training device.
+"""Image data for the three training scripts: map-style Datasets, held whole as tensors on the
+training device.
 
 ``load`` returns each split as a ``torch.utils.data.TensorDataset`` of normalised images (N, C, H,
 W) and labels, on the device: the scripts gather a batch by index there (no DataLoader workers, no
@@ -400,7 +401,8 @@ def _glyph_templates(upscale=4):
 
 
 def synthetic_digits(count, seed, image_size=28):
-    """``count`` images (uint8, (count, 1, image_size, image_size)) and labels of the synthetic set."""
+    """``count`` images (uint8, (count, 1, image_size, image_size)) and labels of the synthetic
+    set."""
     generator = torch.Generator().manual_seed(seed)
     templates = _glyph_templates()
     _, _, th, tw = templates.shape

@@ -315,7 +315,8 @@ def free_port():
 
 
 def _write_idx(path, tensor):
-    """IDX format as MNIST ships it: magic (0, 0, 0x08 = uint8, ndim), big-endian dims, raw bytes."""
+    """IDX format as MNIST ships it: magic (0, 0, 0x08 = uint8, ndim), big-endian dims, raw
+    bytes."""
     header = struct.pack(">BBBB", 0, 0, 0x08, tensor.dim()) + struct.pack(
         f">{tensor.dim()}I", *tensor.shape
     )
@@ -396,7 +397,8 @@ def made_once(tmp_path_factory, name, make):
 
 @pytest.fixture(scope="session")
 def reference_run(mnist_dir, tmp_path_factory):
-    """train_ddp.py, one process without torchrun, batch 32: what every equivalent run must reach."""
+    """train_ddp.py, one process without torchrun, batch 32: what every equivalent run must
+    reach."""
     return made_once(
         tmp_path_factory,
         "reference",
@@ -579,5 +581,6 @@ def launcher_env(**extra):
 
 
 def with_this_pythons_torchrun(env):
-    """``env`` with this Python's bin directory first on its PATH, where launch.sh finds torchrun."""
+    """``env`` with this Python's bin directory first on its PATH, where launch.sh finds
+    torchrun."""
     return {**env, "PATH": os.path.dirname(sys.executable) + os.pathsep + env["PATH"]}

@@ -1,6 +1,7 @@
-"""Bad input, every case in one table: one `error:` line from rank 0, exit code 2, nothing written, launched as a user
-launches it (`bash run_ddp.sh`, torchrun and all: no traceback of its own may follow the line), with
-MAX_RESTARTS=2: torchrun does not try a bad input again, so the line is said once.
+"""Bad input, every case in one table: one `error:` line from rank 0, exit code 2, nothing written,
+launched as a user launches it (`bash run_ddp.sh`, torchrun and all: no traceback of its own may
+follow the line), with MAX_RESTARTS=2: torchrun does not try a bad input again, so the line is said
+once.
 
 A case is one line: (script, processes, flags, the error line it must give). One process where the
 world size does not matter. All cases start at once and fail within seconds, before any training
@@ -173,7 +174,8 @@ DAMAGED = {
 
 
 def bad_mnist(root):
-    """One MNIST directory per kind of damage, each otherwise valid (640 training, 300 test images)."""
+    """One MNIST directory per kind of damage, each otherwise valid (640 training, 300 test
+    images)."""
     (train_x, train_y), (test_x, test_y) = (
         synthetic_digits(640, seed=10),
         synthetic_digits(300, seed=11),

@@ -1,5 +1,5 @@
-"""The benchmark at its smallest size: every figure present and sane, the plot written; what it says when a
-configuration fails, and what it leaves behind.
+"""The benchmark at its smallest size: every figure present and sane, the plot written; what it says
+when a configuration fails, and what it leaves behind.
 
 The benchmark's runs are the scripts the other files test, measured: these tests are marked slow
 (minutes of launches) and left out of the default run, and pages (their figures are quoted): CI runs

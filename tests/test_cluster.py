@@ -1,4 +1,5 @@
-"""Beyond one node: slurm/train.sbatch and k8s/ run here as far as one machine allows, and stops on signals.
+"""Beyond one node: slurm/train.sbatch and k8s/ run here as far as one machine allows, and stops on
+signals.
 
 SLURM's srun and scontrol are stand-ins (tests/stand_ins/) that start each "node" on this machine;
 the PyTorchJob's container command runs as two "pods" with the variables the Training Operator would
@@ -255,7 +256,8 @@ def test_the_pytorchjob_is_what_the_training_operator_needs():
 
 
 def image_workdir(tmp_path):
-    """The files k8s/Dockerfile copies into its WORKDIR, copied the same way into a directory here."""
+    """The files k8s/Dockerfile copies into its WORKDIR, copied the same way into a directory
+    here."""
     workdir = tmp_path / "image"
     workdir.mkdir()
     lines = (ROOT / "k8s" / "Dockerfile").read_text().splitlines()

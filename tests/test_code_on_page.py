@@ -1,4 +1,5 @@
-"""The snippets in docs/snippets/ do what the pages say (that the pages quote them as they are: test_docs.py).
+"""The snippets in docs/snippets/ do what the pages say (that the pages quote them as they are:
+test_docs.py).
 
 Each snippet runs under torchrun on 2 gloo processes, and its output is checked against what torch
 itself computes: the DataLoader's shards against a DistributedSampler, join()'s final weights

@@ -1,4 +1,5 @@
-"""The collectives page and the tensor-parallelism page: their snippets, their benchmark and their tables.
+"""The collectives page and the tensor-parallelism page: their snippets, their benchmark and their
+tables.
 
 The two snippets run under torchrun on 2 gloo processes and their numbers are checked against what
 this process works out by itself: the four collectives' results from sums, tensor parallelism's

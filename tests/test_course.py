@@ -1,6 +1,6 @@
-"""The course reads in order: a glossary, every term linked where a page first uses it, a short first page,
-and the claims of the pages that are not about one strategy (the flight recorder; bf16 in the
-pipeline: test_pippy.py).
+"""The course reads in order: a glossary, every term linked where a page first uses it, a short
+first page, and the claims of the pages that are not about one strategy (the flight recorder; bf16
+in the pipeline: test_pippy.py).
 
 The first-use rule, as checked here. docs/glossary.md has one `### term` entry per term; TERMS below
 gives each entry the words that count as a use of it. On each page (README.md and docs/*.md but the
@@ -106,7 +106,8 @@ def resolve(page, target):
 
 
 def teaching(entry):
-    """The files an entry's links lead to, other than the glossary: the pages that teach the term."""
+    """The files an entry's links lead to, other than the glossary: the pages that teach the
+    term."""
     return {
         file for file, _ in (resolve(GLOSSARY, t) for t in entry[1]) if file != GLOSSARY.resolve()
     }

@@ -1,4 +1,5 @@
-"""The MNIST files that ship in models/mnist/: byte-identical to the originals, read offline by --dataset auto."""
+"""The MNIST files that ship in models/mnist/: byte-identical to the originals, read offline by
+--dataset auto."""
 
 import gzip
 import hashlib

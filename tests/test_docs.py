@@ -161,7 +161,8 @@ class _Parsed(Exception):
 
 
 def parser_of(script):
-    """The argparse parser ``script`` builds, taken at its parse_args call; the script stops there."""
+    """The argparse parser ``script`` builds, taken at its parse_args call; the script stops
+    there."""
 
     def capture(self, args=None, namespace=None):
         raise _Parsed(self)

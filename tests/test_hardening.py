@@ -1,6 +1,6 @@
-"""Defects of the old plumbing, each with a test that failed on it: downloads under a collective's timeout, a
-fresh optimizer stepped once before training, the checkpoint's lr kept on resume, a stuck rank deaf
-to a second signal, autocast around backward. (The pipeline replicas all-reducing once per
+"""Defects of the old plumbing, each with a test that failed on it: downloads under a collective's
+timeout, a fresh optimizer stepped once before training, the checkpoint's lr kept on resume, a stuck
+rank deaf to a second signal, autocast around backward. (The pipeline replicas all-reducing once per
 micro-step: test_pippy.py's layout with replicas.)"""
 
 import os

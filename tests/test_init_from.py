@@ -1,5 +1,6 @@
-"""--init-from: a run starts from the weights in one file, under every strategy, with a fresh optimizer and lr schedule.
-Rank 0 reads the file and broadcasts each weight, so a node holds it once, not once per rank."""
+"""--init-from: a run starts from the weights in one file, under every strategy, with a fresh
+optimizer and lr schedule. Rank 0 reads the file and broadcasts each weight, so a node holds it
+once, not once per rank."""
 
 import pytest
 import torch

@@ -1,4 +1,5 @@
-"""What a person watching a run sees: in a terminal, rank 0's progress bar; in a pipe, a plain line per logging step."""
+"""What a person watching a run sees: in a terminal, rank 0's progress bar; in a pipe, a plain line
+per logging step."""
 
 import fcntl
 import os

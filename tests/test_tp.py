@@ -1,5 +1,6 @@
-"""train_tp.py (tensor parallelism inside groups of --tp ranks, FSDP2 across them), launched for real under torchrun
-on gloo: the same math as one process, and the mistakes that would break it, each far off."""
+"""train_tp.py (tensor parallelism inside groups of --tp ranks, FSDP2 across them), launched for
+real under torchrun on gloo: the same math as one process, and the mistakes that would break it,
+each far off."""
 
 import json
 

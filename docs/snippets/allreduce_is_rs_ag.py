@@ -1,4 +1,5 @@
-"""The four collectives on small tensors, and all-reduce done as a reduce-scatter, then an all-gather.
+"""The four collectives on small tensors, and all-reduce done as a reduce-scatter, then an
+all-gather.
 
 Run:  torchrun --standalone --nproc-per-node=2 docs/snippets/allreduce_is_rs_ag.py   (any number of
 processes)

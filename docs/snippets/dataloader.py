@@ -1,4 +1,5 @@
-"""A DataLoader with a DistributedSampler: for data that is not a tensor on the device (files, records, objects).
+"""A DataLoader with a DistributedSampler: for data that is not a tensor on the device (files,
+records, objects).
 
 Run:  torchrun --standalone --nproc-per-node=2 docs/snippets/dataloader.py
 

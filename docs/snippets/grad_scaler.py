@@ -1,4 +1,5 @@
-"""fp16 mixed precision under DDP: autocast to float16, and a GradScaler that keeps the gradients in range.
+"""fp16 mixed precision under DDP: autocast to float16, and a GradScaler that keeps the gradients in
+range.
 
 Run:  torchrun --standalone --nproc-per-node=2 docs/snippets/grad_scaler.py
 

@@ -1,4 +1,5 @@
-"""torchvision's dataset download, as far as tests/test_hardening.py needs it: no network, and a witness.
+"""torchvision's dataset download, as far as tests/test_hardening.py needs it: no network, and a
+witness.
 
 ``datasets.FashionMNIST(root, train=True, download=True)`` writes Fashion-MNIST-format IDX files
 (synthetic digits) into root/FashionMNIST/raw/ after a pause, as a slow download would; it refuses
