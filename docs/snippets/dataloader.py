@@ -50,16 +50,13 @@ def main():
         dataset,
         batch_size=32,
         sampler=sampler,  # the sampler shuffles: no shuffle=True here
-        # processes per rank that build batches while the rank trains on the last one
-        num_workers=2,
-        pin_memory=device.type
-        == "cuda",  # batches in page-locked memory: the copy below can be asynchronous
+        num_workers=2,  # processes per rank building batches while the rank trains
+        pin_memory=device.type == "cuda",  # page-locked batches: the copy below is asynchronous
         persistent_workers=True,  # keep the workers from one epoch to the next
     )
     for epoch in range(2):
-        sampler.set_epoch(
-            epoch
-        )  # a new shuffle each epoch, the same on every rank; without it every epoch repeats
+        # A new shuffle each epoch, the same on every rank; without it every epoch repeats.
+        sampler.set_epoch(epoch)
         loaded = []
         for indices, images, labels in loader:
             images, labels = (
