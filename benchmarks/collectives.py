@@ -1,9 +1,12 @@
 """What a collective costs as the message grows: time against bytes, and the α–β model fitted to it.
 
-    python benchmarks/collectives.py                    # gloo on the CPU, 2 and 4 processes: about 2 minutes on 2 cores
-    python benchmarks/collectives.py --quick            # 2 processes, fewer sizes and repeats: seconds
-    python benchmarks/collectives.py --device cuda      # NCCL, one process per GPU (needs 2 or more GPUs)
-    python benchmarks/collectives.py --refit            # no timing: refit the saved JSON's points, redraw the plot
+    # gloo on the CPU, 2 and 4 processes: about 2 minutes on 2 cores
+    python benchmarks/collectives.py
+    python benchmarks/collectives.py --quick  # 2 processes, fewer sizes and repeats: seconds
+    # NCCL, one process per GPU (needs 2 or more GPUs)
+    python benchmarks/collectives.py --device cuda
+    # no timing: refit the saved JSON's points, redraw the plot
+    python benchmarks/collectives.py --refit
 
 Starts W processes (torch.multiprocessing, spawn; one thread each) for each world size W, and times
 broadcast (from rank 0), all_reduce (sum), reduce_scatter and all_gather (the single-tensor forms),

@@ -3,7 +3,7 @@
     python benchmarks/compare.py                      # about 11 minutes on a 2-core CPU machine
     python benchmarks/compare.py --quick              # the smallest size (the smoke test's)
     python benchmarks/compare.py --steps 2000 --width 32 --max-ranks 8   # on a GPU node
-    python benchmarks/compare.py --only gpu                               # figure 6 alone, on a GPU node
+    python benchmarks/compare.py --only gpu  # figure 6 alone, on a GPU node
 
 Every configuration runs the real script under torchrun (or plain python for the one-process
 baseline) with one thread per process, on the synthetic set, with the same seed. Figures 1 to 5

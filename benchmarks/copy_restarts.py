@@ -6,7 +6,7 @@ included) of a run never killed. Prints a JSON line.
 
     python benchmarks/copy_restarts.py              # 20 kills of train_ddp.py
     python benchmarks/copy_restarts.py --kills 5 --script train_fsdp.py
-    python benchmarks/copy_restarts.py --plain      # the plain torchrun command instead of launch.sh
+    python benchmarks/copy_restarts.py --plain  # the plain torchrun command instead of launch.sh
 
 Before each attempt's store had a prefix of its own (hardening.store_for_this_attempt), a copy
 without the launcher failed about half its restarts: pytorch issue 135712.

@@ -1,8 +1,9 @@
 """How often a finished run dies at interpreter exit, and how many threads outlive destroy_process_group.
 
-    python benchmarks/exit_aborts.py                     # 200 launches, 4 at a time: about 25 minutes on 2 cores
+    python benchmarks/exit_aborts.py  # 200 launches, 4 at a time: about 25 minutes on 2 cores
     python benchmarks/exit_aborts.py --launches 100 --parallel 4
-    python benchmarks/exit_aborts.py --root /tmp/copy    # the scripts of another checkout (a fix on trial)
+    # the scripts of another checkout (a fix on trial)
+    python benchmarks/exit_aborts.py --root /tmp/copy
 
 Launches, round robin, the three training scripts (`python -m torch.distributed.run --standalone
 --nproc-per-node=2 train_X.py --dataset synthetic --max-steps 3 --no-eval --metrics <temp file>`, so

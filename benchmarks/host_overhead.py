@@ -1,7 +1,7 @@
 """What a training step costs the host (the CPU that runs Python and launches the work), and what
 train_ddp.py spends before its first step. Prints a Markdown table and writes host_overhead.json.
 
-    OMP_NUM_THREADS=1 python benchmarks/host_overhead.py            # about 2 minutes on a 2-core CPU machine
+    OMP_NUM_THREADS=1 python benchmarks/host_overhead.py  # about 2 minutes on a 2-core CPU machine
     python benchmarks/host_overhead.py --device cuda                 # on a GPU
 
 At batch 1 a BabyCNN step's arithmetic is a small part of its time, so the time per step is mostly

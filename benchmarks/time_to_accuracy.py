@@ -1,6 +1,6 @@
 """Seconds of training to 98% and 99% test accuracy on the real MNIST, for each script, as a user runs it.
 
-    python benchmarks/time_to_accuracy.py                 # the three default commands, then --epochs 4
+    python benchmarks/time_to_accuracy.py  # the three default commands, then --epochs 4
     python benchmarks/time_to_accuracy.py --epochs 2      # the default commands only
 
 Each script runs under torchrun on --ranks processes (2: what `bash run_*.sh` starts without GPUs;

@@ -1,7 +1,8 @@
 """Write the code the pages quote from the files themselves, so a page never shows stale code.
 
-    python docs/code_on_page.py            # rewrite every generated block of README.md and docs/*.md
-    python docs/code_on_page.py --check    # change nothing; exit 1 (and name them) if any block is stale
+    python docs/code_on_page.py  # rewrite every generated block of README.md and docs/*.md
+    # change nothing; exit 1 (and name them) if any block is stale
+    python docs/code_on_page.py --check
 
 A generated block is a fenced code block between two comments, which say what goes in it:
 

@@ -1,7 +1,8 @@
 """Draw the documentation's pictures from the real PyTorch objects the training scripts use.
 
     python docs/figures.py              # writes docs/images/*.png and docs/images/figures.json
-    python docs/figures.py --out DIR    # writes the same files into DIR instead (tests/test_figures.py does)
+    # writes the same files into DIR instead (tests/test_figures.py does)
+    python docs/figures.py --out DIR
 
 Nothing in a picture is typed in by hand: four gloo processes on this machine (a few seconds, CPU
 only) run the real code the training scripts run, and the pictures draw what they recorded. (When

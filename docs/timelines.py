@@ -1,7 +1,8 @@
 """Draw when things happen in one training step, from a real 2-rank run on this machine.
 
-    python docs/timelines.py              # writes docs/images/timeline_*.png and docs/images/timelines.json
-    python docs/timelines.py --out DIR    # writes the same files into DIR instead (tests/test_timelines.py does)
+    python docs/timelines.py  # writes docs/images/timeline_*.png and docs/images/timelines.json
+    # writes the same files into DIR instead (tests/test_timelines.py does)
+    python docs/timelines.py --out DIR
 
 Two gloo processes (CPU, one thread each, a few seconds) build the models as the training scripts
 build them, run real steps and record, on the clock both processes share (time.perf_counter_ns,
