@@ -59,7 +59,8 @@ def tag(when):  # one line per moment: rank, moment, all native threads, gloo's
         except OSError:  # a thread that just ended
             pass
     gloo = sum(name.startswith(("pt_gloo", "gloo")) for name in names)
-    os.write(1, f"@threads {os.environ.get('RANK')} {when} {len(names)} {gloo}\n".encode())  # one write: whole
+    # one write: whole
+    os.write(1, f"@threads {os.environ.get('RANK')} {when} {len(names)} {gloo}\n".encode())
 
 def patched(real, before, after):
     def call(*args, **kwargs):
@@ -69,9 +70,11 @@ def patched(real, before, after):
         return result
     return call
 
-for module in (dist, distributed_c10d):  # the scripts call dist.X; torch itself calls distributed_c10d.X
+for module in (dist, distributed_c10d):  # the scripts call dist.X; torch calls distributed_c10d.X
     module.init_process_group = patched(distributed_c10d.init_process_group, "before_init", None)
-    module.destroy_process_group = patched(distributed_c10d.destroy_process_group, None, "after_destroy")
+    module.destroy_process_group = patched(
+        distributed_c10d.destroy_process_group, None, "after_destroy"
+    )
 atexit.register(tag, "at_exit")  # registered first, so it runs last
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
@@ -83,7 +86,7 @@ runpy.run_path(script, run_name="__main__")
 def snippet_command(path):
     """(environment, arguments) from the docstring's `Run:  [VAR=value ...] torchrun ... NAME.py
     [args]`."""
-    line = next((l for l in path.read_text().splitlines() if l.startswith("Run:")), None)
+    line = next((t for t in path.read_text().splitlines() if t.startswith("Run:")), None)
     if line is None or "torchrun" not in line:
         return None
     words = shlex.split(line[4:].split("(")[0].split("[")[0])

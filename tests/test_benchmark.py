@@ -222,7 +222,8 @@ if dist.get_rank() == 1:
 try:
     dist.barrier()  # fails once rank 1 is gone: a later traceback, of no interest
 except RuntimeError:
-    sys.excepthook(*sys.exc_info())  # printed as an uncaught one would be, while this rank stays alive
+    # printed as an uncaught one would be, while this rank stays alive
+    sys.excepthook(*sys.exc_info())
     time.sleep(60)  # until torchrun, having seen rank 1 fail first, stops it
 """)
     message = failure_message(

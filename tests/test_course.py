@@ -294,7 +294,10 @@ def test_the_lessons_are_an_evening_of_reading():
 
 def test_the_sentence_count_follows_the_rule():
     """The rule above, on a page made for it: a table, code and a heading are not sentences."""
-    page = "# Title here now\n\n| a b c | d |\n```\nx = 1. y = 2. z\n```\nOne two three. Four `f(a. b)` six seven.\n"
+    page = (
+        "# Title here now\n\n| a b c | d |\n```\nx = 1. y = 2. z\n```\n"
+        "One two three. Four `f(a. b)` six seven.\n"
+    )
     assert [len(s.split()) for s in prose_sentences(page)] == [3, 4]
 
 
