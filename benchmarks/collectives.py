@@ -1,9 +1,12 @@
 """What a collective costs as the message grows: time against bytes, and the α–β model fitted to it.
 
-    python benchmarks/collectives.py                    # gloo on the CPU, 2 and 4 processes: about 2 minutes on 2 cores
-    python benchmarks/collectives.py --quick            # 2 processes, fewer sizes and repeats: seconds
-    python benchmarks/collectives.py --device cuda      # NCCL, one process per GPU (needs 2 or more GPUs)
-    python benchmarks/collectives.py --refit            # no timing: refit the saved JSON's points, redraw the plot
+    # gloo on the CPU, 2 and 4 processes: about 2 minutes on 2 cores
+    python benchmarks/collectives.py
+    python benchmarks/collectives.py --quick  # 2 processes, fewer sizes and repeats: seconds
+    # NCCL, one process per GPU (needs 2 or more GPUs)
+    python benchmarks/collectives.py --device cuda
+    # no timing: refit the saved JSON's points, redraw the plot
+    python benchmarks/collectives.py --refit
 
 Starts W processes (torch.multiprocessing, spawn; one thread each) for each world size W, and times
 broadcast (from rank 0), all_reduce (sum), reduce_scatter and all_gather (the single-tensor forms),
@@ -14,12 +17,12 @@ the median over --repeats samples of the slowest rank's time per call, each samp
 long enough to time (at least --sample-ms); with --rounds, the median of that over rounds.
 
 Each collective's points are fitted with t = α + n·β in two parts a reader can redo by hand: α, the
-latency a call pays whatever its size, is the median time of the messages up to 64 KiB (the flat part;
-a median, so that one odd point does not move it); β, the seconds per byte (1/β the bandwidth), is the
-median of (t − α) / n over the messages of 4 MiB and more (the straight part). For all_reduce the fit
-is set beside the ring model
-t = 2(W−1)·α' + 2(W−1)/W · n·β', with α' and β' those of one send/recv. Prints the points and the
-fits, writes collectives.json to --out and the plot (log-log: points, fitted lines) to --plot.
+latency a call pays whatever its size, is the median time of the messages up to 64 KiB (the flat
+part; a median, so that one odd point does not move it); β, the seconds per byte (1/β the
+bandwidth), is the median of (t − α) / n over the messages of 4 MiB and more (the straight part).
+For all_reduce the fit is set beside the ring model t = 2(W−1)·α' + 2(W−1)/W · n·β', with α' and β'
+those of one send/recv. Prints the points and the fits, writes collectives.json to --out and the
+plot (log-log: points, fitted lines) to --plot.
 """
 
 import argparse
@@ -73,7 +76,8 @@ def parse():
     )
     parser.add_argument(
         "--out",
-        help="where collectives.json goes; default benchmarks/results (--quick: a temporary folder)",
+        help="where collectives.json goes; default benchmarks/results (--quick: a temporary "
+        "folder)",
     )
     parser.add_argument(
         "--plot", help="default docs/images/collectives.png (--quick: beside the JSON)"
@@ -171,8 +175,9 @@ def operation(name, numel, rank, world_size, device):
 
 
 def time_one(call, args, device):
-    """Median over --repeats samples of the slowest rank's seconds per call (send_recv: per round trip, halved
-    later). A sample is `calls` calls back to back, after a barrier; every rank makes the same number."""
+    """Median over --repeats samples of the slowest rank's seconds per call (send_recv: per round
+    trip, halved later). A sample is `calls` calls back to back, after a barrier; every rank makes
+    the same number."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     call()  # the first call sets up buffers and connections
     sync()
@@ -221,8 +226,9 @@ SMALL, LARGE = 64 << 10, 4 << 20  # the flat part ends, the straight part begins
 
 
 def fit(points):
-    """α and β of t = α + n·β: α the median time up to SMALL bytes, β the median of (t − α) / n from LARGE bytes
-    on. Medians, so that one odd point moves neither. With no point in a range, its nearest point stands in."""
+    """α and β of t = α + n·β: α the median time up to SMALL bytes, β the median of (t − α) / n from
+    LARGE bytes on. Medians, so that one odd point moves neither. With no point in a range, its
+    nearest point stands in."""
     small = [t for n, t in points if n <= SMALL] or [points[0][1]]
     large = [(n, t) for n, t in points if n >= LARGE] or [points[-1]]
     alpha = statistics.median(small)
@@ -289,7 +295,8 @@ def table(report):
     for entry in report["results"]:
         world_size, found = entry["world_size"], entry["collectives"]
         lines += [
-            f"\nW = {world_size} ({report['backend']}): median seconds per call (send_recv: one way)",
+            f"\nW = {world_size} ({report['backend']}): median seconds per call (send_recv: one "
+            "way)",
             "| bytes | " + " | ".join(COLLECTIVES) + " |",
             "| --- |" + " --- |" * len(COLLECTIVES),
         ]
@@ -303,17 +310,20 @@ def table(report):
         lines.append("")
         for name in COLLECTIVES:
             lines.append(
-                f"{name:>15}: t = α + n·β, {describe(found[name]['alpha_s'], found[name]['beta_s_per_byte'])}"
+                f"{name:>15}: t = α + n·β, "
+                f"{describe(found[name]['alpha_s'], found[name]['beta_s_per_byte'])}"
             )
         model = found["all_reduce"]["ring_model"]
         lines.append(
             f"{'ring model':>15}: from send_recv, 2(W−1)·α' + 2(W−1)/W·n·β' = "
-            f"{describe(model['alpha_s'], model['beta_s_per_byte'])}; measured/model: α {model['alpha_vs_fit']:.2f}, "
+            f"{describe(model['alpha_s'], model['beta_s_per_byte'])}; measured/model: α "
+            f"{model['alpha_vs_fit']:.2f}, "
             f"β {model['beta_vs_fit']:.2f}"
         )
     if report["backend"] == "gloo":
         lines.append(
-            "\nNCCL (GPUs): not measured here; run with --device cuda on a machine with 2 or more GPUs."
+            "\nNCCL (GPUs): not measured here; run with --device cuda on a machine with 2 or more "
+            "GPUs."
         )
     return "\n".join(lines)
 
@@ -346,7 +356,8 @@ def plot(report, path):
                     [model["alpha_s"] + n * model["beta_s_per_byte"] for n in line],
                     "--",
                     color=colour,
-                    label=f"ring model from send_recv: {describe(model['alpha_s'], model['beta_s_per_byte'])}",
+                    label="ring model from send_recv: "
+                    f"{describe(model['alpha_s'], model['beta_s_per_byte'])}",
                 )
                 continue
             ax.plot(
@@ -378,7 +389,8 @@ def plot(report, path):
     m = report["machine"]
     note = " NCCL on GPUs: not measured (no GPU here)." if report["backend"] == "gloo" else ""
     fig.suptitle(
-        f"{report['backend']} on {report['device']}: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "
+        f"{report['backend']} on {report['device']}: {m['cpu']}, {m['cores']} cores, torch "
+        f"{m['torch']}; "
         f"median of {report['repeats']} samples × {report['rounds']} rounds.{note}\n"
         f"Fitted lines: α = the median time up to {bytes_label(SMALL)}, "
         f"β = the median of (t − α) / n from {bytes_label(LARGE)} on.",
@@ -433,7 +445,8 @@ def main():
         args.world_sizes = [w for w in args.world_sizes if w <= torch.cuda.device_count()]
         if not args.world_sizes:
             sys.exit(
-                f"collectives: {torch.cuda.device_count()} GPU(s): one process per GPU, and a collective needs 2"
+                f"collectives: {torch.cuda.device_count()} GPU(s): one process per GPU, and a "
+                "collective needs 2"
             )
     backend = "nccl" if args.device == "cuda" else "gloo"
     results = []
@@ -452,12 +465,14 @@ def main():
         "sample_ms": args.sample_ms,
         "quick": args.quick,
         "dtype": "float32",
-        "message": "n = bytes of the whole tensor: input of broadcast, all_reduce, reduce_scatter; output of all_gather",
+        "message": "n = bytes of the whole tensor: input of broadcast, all_reduce, reduce_scatter; "
+        "output of all_gather",
         "results": results,
     }
     if backend == "gloo":
         report["nccl"] = (
-            "not measured: this run had no GPU; python benchmarks/collectives.py --device cuda on one"
+            "not measured: this run had no GPU; python benchmarks/collectives.py --device cuda on "
+            "one"
         )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

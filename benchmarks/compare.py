@@ -3,7 +3,7 @@
     python benchmarks/compare.py                      # about 11 minutes on a 2-core CPU machine
     python benchmarks/compare.py --quick              # the smallest size (the smoke test's)
     python benchmarks/compare.py --steps 2000 --width 32 --max-ranks 8   # on a GPU node
-    python benchmarks/compare.py --only gpu                               # figure 6 alone, on a GPU node
+    python benchmarks/compare.py --only gpu  # figure 6 alone, on a GPU node
 
 Every configuration runs the real script under torchrun (or plain python for the one-process
 baseline) with one thread per process, on the synthetic set, with the same seed. Figures 1 to 5
@@ -56,8 +56,8 @@ def launch(command, timeout, copies=1):
     return outputs
 
 
-# torchrun's own ending when a worker fails: its traceback (frames in torch/distributed/run.py), then a
-# ChildFailedError block of `====` lines. It is over 2,000 characters, and names no cause.
+# torchrun's own ending when a worker fails: its traceback (frames in torch/distributed/run.py),
+# then a ChildFailedError block of `====` lines. It is over 2,000 characters, and names no cause.
 CHILD_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
 TORCHRUN_LOG = re.compile(
     r"[IWE]\d{4} [\d:.]+ +\d+ \S*torch/distributed/"
@@ -73,9 +73,10 @@ CHAINED = (
 
 
 def failure(stderr):
-    """What a failed configuration's stderr says about why: its workers' `error:` lines and the traceback of the
-    rank torchrun names as the first failure (without `error:` lines, else the last traceback), then that rank's
-    exit code; without torchrun's own traceback, ChildFailedError block and log lines."""
+    """What a failed configuration's stderr says about why: its workers' `error:` lines and the
+    traceback of the rank torchrun names as the first failure (without `error:` lines, else the last
+    traceback), then that rank's exit code; without torchrun's own traceback, ChildFailedError block
+    and log lines."""
     lines = stderr.splitlines()
     root_rank = root_cause = None
     ends = [i for i, line in enumerate(lines) if line.startswith(CHILD_FAILED)]
@@ -101,7 +102,8 @@ def failure(stderr):
             root_cause = f"torchrun: rank {root_rank} failed first, exit code {code}{signal_name}"
     lines = [line for line in lines if not TORCHRUN_LOG.match(line)]
     errors = [line for line in lines if RANK_PREFIX.sub("", line, count=1).startswith("error:")]
-    # The workers' tracebacks, each rank's apart (torch prefixes its lines, and ranks interleave), plain ones together.
+    # The workers' tracebacks, each rank's apart (torch prefixes its lines, and ranks interleave),
+    # plain ones together.
     streams = {}
     for index, line in enumerate(lines):
         match = RANK_PREFIX.match(line)
@@ -121,9 +123,12 @@ def failure(stderr):
             tracebacks[source] = (stream[start][0], [line for _, line, _ in stream[start:]])
     if root_rank in tracebacks:
         traceback = tracebacks[root_rank][1]
-    else:  # the project's `error:` lines say why on their own; a traceback of another rank would follow from it
+    else:
+        # the project's `error:` lines say why on their own; a traceback of another rank would
+        # follow from it
         traceback = [] if errors else max(tracebacks.values(), default=(None, []))[1]
-    # Neither (a worker killed by a signal, a crash in C++): whatever else the workers wrote, at most 20 lines.
+    # Neither (a worker killed by a signal, a crash in C++): whatever else the workers wrote, at
+    # most 20 lines.
     said = errors + traceback or [line for line in lines if line.strip()][-20:]
     kept = said + ([root_cause] if root_cause else [])
     return "\n".join(kept) if kept else stderr[-2000:]
@@ -139,8 +144,8 @@ class Bench:
         print(f"[{self.done}/{self.total}] {what}", flush=True)
 
     def train(self, script, ranks, *flags, repeat=0):
-        """Run a training script under torchrun, or plain python for one process (once per configuration
-        and repeat); return its metrics."""
+        """Run a training script under torchrun, or plain python for one process (once per
+        configuration and repeat); return its metrics."""
         key = (script, ranks, *map(str, flags), repeat)
         if key not in self.cache:
             metrics = self.scratch / f"m{self.done}.json"
@@ -163,8 +168,8 @@ class Bench:
         return self.cache[key]
 
     def helper(self, name, *flags, copies=1, ranks=None):
-        """Run a helper script (``copies`` of it at the same time, or under torchrun on ``ranks`` processes);
-        return its JSON line (a list for copies > 1)."""
+        """Run a helper script (``copies`` of it at the same time, or under torchrun on ``ranks``
+        processes); return its JSON line (a list for copies > 1)."""
         self.progress(
             f"benchmarks/{name} {' '.join(map(str, flags))}"
             + (f" ({copies} at once)" if copies > 1 else "")
@@ -195,7 +200,8 @@ def main():
         "--only",
         choices=("gpu",),
         default=None,
-        help="gpu: figure 6 alone (it needs a GPU), in gpu.json and gpu.md beside a whole run's results.*",
+        help="gpu: figure 6 alone (it needs a GPU), in gpu.json and gpu.md beside a whole run's "
+        "results.*",
     )
     parser.add_argument(
         "--steps",
@@ -225,7 +231,8 @@ def main():
         "--repeats",
         type=int,
         default=None,
-        help="rounds of the throughput runs (figures 1 and 3), interleaved; medians are reported (default 3, quick 1)",
+        help="rounds of the throughput runs (figures 1 and 3), interleaved; medians are reported "
+        "(default 3, quick 1)",
     )
     parser.add_argument(
         "--gpu-steps",
@@ -241,7 +248,8 @@ def main():
     gpus = torch.cuda.device_count()
     if args.only == "gpu" and not gpus:
         print(
-            "error: --only gpu measures figure 6 on GPUs, and torch sees none here (torch.cuda.device_count() is 0)",
+            "error: --only gpu measures figure 6 on GPUs, and torch sees none here "
+            "(torch.cuda.device_count() is 0)",
             file=sys.stderr,
         )
         sys.exit(2)
@@ -257,7 +265,8 @@ def main():
     ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    # Configurations to run (identical ones run once: at width 1 the memory runs are the scaling runs).
+    # Configurations to run (identical ones run once: at width 1 the memory runs are the scaling
+    # runs).
     tp_memory_runs = sum(
         n > 1 and 8 * width % n == 0 for n in ranks_for_memory
     )  # never the scaling run: --tp N
@@ -269,7 +278,8 @@ def main():
         + 3 * len(microbatches)
     )
     total = (total if cpu else 0) + (11 if gpus else 0)
-    # The runs' metrics files go with the directory at the end, also when a configuration fails (sys.exit).
+    # The runs' metrics files go with the directory at the end, also when a configuration fails
+    # (sys.exit).
     with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
         bench = Bench(args, Path(scratch), total)
         results = {"machine": machine()}
@@ -312,13 +322,15 @@ def main():
 
 
 def cpu_figures(bench, args, steps, repeats, width, microbatches, ranks_for_memory):
-    """1 to 5, on the CPU: overhead, data path, scaling, memory, pipeline; with the loss curves the plot draws."""
+    """1 to 5, on the CPU: overhead, data path, scaling, memory, pipeline; with the loss curves the
+    plot draws."""
     batch = ["--batch-size", args.batch_size, "--max-steps", steps, "--epochs", 1000]
     results = {"steps": steps, "batch_size": args.batch_size}
 
-    # 1 and 3. Throughput, in rounds: each round runs every configuration once, back to back, and its
-    # ratios compare runs of the same round. On a shared machine a neighbour's load moves one run by
-    # 5% or more, so the table reports the median over the rounds and the spread of the ratios.
+    # 1 and 3. Throughput, in rounds: each round runs every configuration once, back to back, and
+    # its ratios compare runs of the same round. On a shared machine a neighbour's load moves one
+    # run by 5% or more, so the table reports the median over the rounds and the spread of the
+    # ratios.
     rounds = []
     for repeat in range(repeats):
         bare = bench.helper("bare_loop.py", "--steps", steps, "--batch-size", args.batch_size)
@@ -374,9 +386,9 @@ def cpu_figures(bench, args, steps, repeats, width, microbatches, ranks_for_memo
         / loaders["dataloader_samples_per_second"],
     }
 
-    # 3. Scaling: 2 processes against 1 (same per-rank batch), DDP and FSDP; TP on 2 against DDP on 1 (the same batch,
-    # its layers split in two); and the machine's own
-    # ceiling: two bare loops at once, which share the cores, caches and memory bandwidth but not a byte.
+    # 3. Scaling: 2 processes against 1 (same per-rank batch), DDP and FSDP; TP on 2 against DDP on
+    # 1 (the same batch, its layers split in two); and the machine's own ceiling: two bare loops at
+    # once, which share the cores, caches and memory bandwidth but not a byte.
     results["scaling"] = {
         "ddp": summary("ddp_2", "ddp_1"),
         "fsdp": summary("fsdp_2", "fsdp_1"),
@@ -499,7 +511,8 @@ def gpu_figures(bench, steps, ranks):
             if row["steady_samples_per_second"]
             else None
         )
-        # targets: eager train_ddp.py >= 0.95 x the bare loop; --compile (CUDA graphs) >= 1.6 x eager at batch 512
+        # targets: eager train_ddp.py >= 0.95 x the bare loop; --compile (CUDA graphs) >= 1.6 x
+        # eager at batch 512
         row["vs_eager_train_ddp"] = (
             row["steady_samples_per_second"] / eager[row["batch_size"]]
             if row["run"].startswith("train_ddp.py")
@@ -516,11 +529,12 @@ def gpu_figures(bench, steps, ranks):
 
 
 def steady_state(metrics, log_every=20):
-    """(first step, samples/s) of a run's steady state, from its metrics' loss curve of [step, loss, training
-    seconds]: from the first curve point at least max(log_every, steps // 10) steps past the start, to the end of
-    training (the first steps pay for lazy initialisation, cuDNN's algorithm search, the allocator's growth).
-    ``log_every`` is the run's --log-every (the scripts' default here). (None, None) for a run too short to have
-    one. The runs here start at step 0 (none resumes from a checkpoint)."""
+    """(first step, samples/s) of a run's steady state, from its metrics' loss curve of [step, loss,
+    training seconds]: from the first curve point at least max(log_every, steps // 10) steps past
+    the start, to the end of training (the first steps pay for lazy initialisation, cuDNN's
+    algorithm search, the allocator's growth). ``log_every`` is the run's --log-every (the scripts'
+    default here). (None, None) for a run too short to have one. The runs here start at step 0 (none
+    resumes from a checkpoint)."""
     end = metrics["steps"]
     point = next((p for p in metrics["loss_curve"] if p[0] >= max(log_every, end // 10)), None)
     if point is None or point[0] == end:
@@ -577,10 +591,12 @@ def markdown(r):
         g = r["gpu"]
         lines += [
             "",
-            f"Measured on a GPU: {g['gpus']} × {g['name']}; {g['steps']} steps per run, synthetic data, "
+            f"Measured on a GPU: {g['gpus']} × {g['name']}; {g['steps']} steps per run, synthetic "
+            "data, "
             "steady state from the first logging point past a tenth of the run.",
             "",
-            "| 6. run | GPUs | batch per rank | samples/s, whole run | samples/s, steady state | vs bare loop | vs eager train_ddp.py | peak memory per rank |",
+            "| 6. run | GPUs | batch per rank | samples/s, whole run | samples/s, steady state | "
+            "vs bare loop | vs eager train_ddp.py | peak memory per rank |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for row in g["rows"]:
@@ -595,7 +611,8 @@ def markdown(r):
                 else ""
             )
             lines.append(
-                f"| {row['run']} | {row['ranks']} | {row['batch_size']} | {row['samples_per_second']:,.0f} | {steady} | {vs} | {vs_eager} | {memory} |"
+                f"| {row['run']} | {row['ranks']} | {row['batch_size']} | "
+                f"{row['samples_per_second']:,.0f} | {steady} | {vs} | {vs_eager} | {memory} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -618,35 +635,57 @@ def cpu_table(r):
         else ""
     )
     lines = [
-        f"Machine: {r['machine']['cpu']}, {r['machine']['cores']} cores, {r['machine']['gpus']} GPUs, torch {r['machine']['torch']}; "
-        f"{r['steps']} steps at batch {r['batch_size']} per rank, 1 thread per process, synthetic data{rounds}.",
+        f"Machine: {r['machine']['cpu']}, {r['machine']['cores']} cores, {r['machine']['gpus']} "
+        f"GPUs, torch {r['machine']['torch']}; "
+        f"{r['steps']} steps at batch {r['batch_size']} per rank, 1 thread per process, synthetic "
+        f"data{rounds}.",
         "",
         "| figure | measured | reference | ratio | target |",
         "| --- | --- | --- | --- | --- |",
-        f"| 1. overhead: train_ddp.py, 1 process | {o['ddp_1']:,.0f} samples/s | bare loop {o['bare_loop']:,.0f} samples/s | {o['ratio']:.3f}{spread(o, '.3f')} | ≥ {o['target']} |",
-        f"| 2. data path: on-device gather | {d['device_loader_samples_per_second']:,.0f} samples/s | DataLoader + ToTensor/Normalize {d['dataloader_samples_per_second']:,.0f} samples/s | {d['ratio']:,.0f}× | |",
-        f"| 3. scaling: DDP, 2 processes | {s['ddp']['ddp_2']:,.0f} samples/s | 1 process {s['ddp']['ddp_1']:,.0f} samples/s | {s['ddp']['ratio']:.2f}×{spread(s['ddp'], '.2f')} | ≥ {s['target_ddp']}× |",
-        f"| 3. scaling: FSDP, 2 processes | {s['fsdp']['fsdp_2']:,.0f} samples/s | 1 process {s['fsdp']['fsdp_1']:,.0f} samples/s | {s['fsdp']['ratio']:.2f}×{spread(s['fsdp'], '.2f')} | |",
-        f"| 3. scaling: TP, 2 processes (tp 2: one batch, each layer split) | {s['tp']['tp_2']:,.0f} samples/s | DDP, 1 process {s['tp']['ddp_1']:,.0f} samples/s | {s['tp']['ratio']:.2f}×{spread(s['tp'], '.2f')} | |",
-        f"| 3. DDP step on 2 processes, per rank | compute {t['compute_ms']:.1f} ms + waiting for the slower rank {t['wait_ms']:.1f} ms "
-        f"+ all-reduce once both are ready {t['allreduce_ms']:.1f} ms | the same all-reduce between idle ranks {t['idle_allreduce_ms']:.2f} ms "
+        f"| 1. overhead: train_ddp.py, 1 process | {o['ddp_1']:,.0f} samples/s | bare loop "
+        f"{o['bare_loop']:,.0f} samples/s | {o['ratio']:.3f}{spread(o, '.3f')} | ≥ {o['target']} |",
+        f"| 2. data path: on-device gather | {d['device_loader_samples_per_second']:,.0f} "
+        f"samples/s | DataLoader + ToTensor/Normalize {d['dataloader_samples_per_second']:,.0f} "
+        f"samples/s | {d['ratio']:,.0f}× | |",
+        f"| 3. scaling: DDP, 2 processes | {s['ddp']['ddp_2']:,.0f} samples/s | 1 process "
+        f"{s['ddp']['ddp_1']:,.0f} samples/s | {s['ddp']['ratio']:.2f}×{spread(s['ddp'], '.2f')} | "
+        f"≥ {s['target_ddp']}× |",
+        f"| 3. scaling: FSDP, 2 processes | {s['fsdp']['fsdp_2']:,.0f} samples/s | 1 process "
+        f"{s['fsdp']['fsdp_1']:,.0f} samples/s | "
+        f"{s['fsdp']['ratio']:.2f}×{spread(s['fsdp'], '.2f')} | |",
+        "| 3. scaling: TP, 2 processes (tp 2: one batch, each layer split) | "
+        f"{s['tp']['tp_2']:,.0f} samples/s | DDP, 1 process {s['tp']['ddp_1']:,.0f} samples/s | "
+        f"{s['tp']['ratio']:.2f}×{spread(s['tp'], '.2f')} | |",
+        f"| 3. DDP step on 2 processes, per rank | compute {t['compute_ms']:.1f} ms + waiting for "
+        f"the slower rank {t['wait_ms']:.1f} ms "
+        f"+ all-reduce once both are ready {t['allreduce_ms']:.1f} ms | the same all-reduce "
+        f"between idle ranks {t['idle_allreduce_ms']:.2f} ms "
         f"(1 float: {t['idle_allreduce_one_float_ms']:.2f} ms) | | |",
-        f"| 3. ceiling: 2 bare loops at once, no communication | {s['ceiling']['two_bare_loops']:,.0f} samples/s | 1 bare loop {s['ceiling']['bare_loop']:,.0f} samples/s | {s['ceiling']['ratio']:.2f}×{spread(s['ceiling'], '.2f')} | |",
+        "| 3. ceiling: 2 bare loops at once, no communication | "
+        f"{s['ceiling']['two_bare_loops']:,.0f} samples/s | 1 bare loop "
+        f"{s['ceiling']['bare_loop']:,.0f} samples/s | "
+        f"{s['ceiling']['ratio']:.2f}×{spread(s['ceiling'], '.2f')} | |",
     ]
     for ranks, row in mem["fsdp"].items():
         lines.append(
-            f"| 4. memory: FSDP, {ranks} rank(s), width {mem['width']} | {row['max_state_bytes']:,} bytes (largest rank) | "
-            f"DDP / {ranks} = {mem['ddp_state_bytes'] / int(ranks):,.0f} bytes | {row['ratio_to_ddp_over_n']:.4f} | ≤ {mem['target']} |"
+            f"| 4. memory: FSDP, {ranks} rank(s), width {mem['width']} | "
+            f"{row['max_state_bytes']:,} bytes (largest rank) | "
+            f"DDP / {ranks} = {mem['ddp_state_bytes'] / int(ranks):,.0f} bytes | "
+            f"{row['ratio_to_ddp_over_n']:.4f} | ≤ {mem['target']} |"
         )
     for ranks, row in mem.get("tp", {}).items():
         lines.append(
-            f"| 4. memory: TP, {ranks} rank(s), width {mem['width']} | {row['max_state_bytes']:,} bytes (largest rank) | "
-            f"DDP / {ranks} = {mem['ddp_state_bytes'] / int(ranks):,.0f} bytes | {row['ratio_to_ddp_over_n']:.4f} | |"
+            f"| 4. memory: TP, {ranks} rank(s), width {mem['width']} | {row['max_state_bytes']:,} "
+            "bytes (largest rank) | "
+            f"DDP / {ranks} = {mem['ddp_state_bytes'] / int(ranks):,.0f} bytes | "
+            f"{row['ratio_to_ddp_over_n']:.4f} | |"
         )
     for row in r["pipeline"]["rows"]:
         lines.append(
-            f"| 5. pipeline: {row['schedule']}, p = {r['pipeline']['stages']}, m = {row['microbatches']} | "
-            f"{row['measured_step_seconds'] * 1000:.1f} ms/step | ideal (m+p−1)·t_stage {row['ideal_step_seconds'] * 1000:.1f} ms "
+            f"| 5. pipeline: {row['schedule']}, p = {r['pipeline']['stages']}, m = "
+            f"{row['microbatches']} | "
+            f"{row['measured_step_seconds'] * 1000:.1f} ms/step | ideal (m+p−1)·t_stage "
+            f"{row['ideal_step_seconds'] * 1000:.1f} ms "
             f"(bubble {row['bubble_fraction']:.0%}) | {row['ratio']:.2f} | |"
         )
     return lines

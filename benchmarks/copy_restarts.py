@@ -1,14 +1,15 @@
-"""How reliably a copy restarts: the README's copy recipe (tests/test_template.py makes it, as the README says), run
-as the README says (`bash launch.sh train_ddp.py`, 2 CPU processes, MAX_RESTARTS=1), each run's rank 1 killed with
-SIGKILL after its first checkpoint. Counts the runs that restarted, finished and ended with bitwise the weights
-(BatchNorm's running statistics included) of a run never killed. Prints a JSON line.
+"""How reliably a copy restarts: the README's copy recipe (tests/test_template.py makes it, as the
+README says), run as the README says (`bash launch.sh train_ddp.py`, 2 CPU processes,
+MAX_RESTARTS=1), each run's rank 1 killed with SIGKILL after its first checkpoint. Counts the runs
+that restarted, finished and ended with bitwise the weights (BatchNorm's running statistics
+included) of a run never killed. Prints a JSON line.
 
     python benchmarks/copy_restarts.py              # 20 kills of train_ddp.py
     python benchmarks/copy_restarts.py --kills 5 --script train_fsdp.py
-    python benchmarks/copy_restarts.py --plain      # the plain torchrun command instead of launch.sh
+    python benchmarks/copy_restarts.py --plain  # the plain torchrun command instead of launch.sh
 
-Before each attempt's store had a prefix of its own (failures.process_group_options), a copy without the launcher
-failed about half its restarts: pytorch issue 135712.
+Before each attempt's store had a prefix of its own (failures.process_group_options), a copy
+without the launcher failed about half its restarts: pytorch issue 135712.
 """
 
 import argparse

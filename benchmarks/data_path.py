@@ -1,7 +1,7 @@
 """Samples/s of two ways to make normalised training batches of the same images, no model:
-the project's on-device path (plumbing/training.py's Batches: a TensorDataset normalised once, each batch
-gathered by index) and the usual
-torchvision Dataset + DataLoader + ToTensor/Normalize pipeline over MNIST-format files.
+the project's on-device path (plumbing/training.py's Batches: a TensorDataset normalised once, each
+batch gathered by index) and the usual torchvision Dataset + DataLoader + ToTensor/Normalize
+pipeline over MNIST-format files.
 
     OMP_NUM_THREADS=1 python benchmarks/data_path.py --batches 200 --batch-size 64
 """
@@ -35,7 +35,8 @@ def timed(batches):
     return total / (time.perf_counter() - start)
 
 
-# The project's path: normalised once, on the device (here the CPU); a shuffled order, a gather per batch.
+# The project's path: normalised once, on the device (here the CPU); a shuffled order, a gather per
+# batch.
 inputs = images * (1 / (255 * std)) + (-mean / std)
 dataset = torch.utils.data.TensorDataset(inputs, labels)
 order = torch.randperm(count).tolist()

@@ -94,6 +94,7 @@ def main():
 
 dist.init_process_group("gloo")
 try:
-    main()  # its DDP model goes with it: nothing else holds the group, and destroy ends gloo's threads
+    # its DDP model goes with it: nothing else holds the group, and destroy ends gloo's threads
+    main()
 finally:
     dist.destroy_process_group()

@@ -1,26 +1,27 @@
 """How often a finished run dies at interpreter exit, and how many threads outlive destroy_process_group.
 
-    python benchmarks/exit_aborts.py                     # 200 launches, 4 at a time: about 25 minutes on 2 cores
+    python benchmarks/exit_aborts.py  # 200 launches, 4 at a time: about 25 minutes on 2 cores
     python benchmarks/exit_aborts.py --launches 100 --parallel 4
-    python benchmarks/exit_aborts.py --root /tmp/copy    # the scripts of another checkout (a fix on trial)
+    # the scripts of another checkout (a fix on trial)
+    python benchmarks/exit_aborts.py --root /tmp/copy
 
 Launches, round robin, the three training scripts (`python -m torch.distributed.run --standalone
 --nproc-per-node=2 train_X.py --dataset synthetic --max-steps 3 --no-eval --metrics <temp file>`, so
 all_gather_object runs last) and each snippet in docs/snippets (the command on its docstring's Run:
-line, without the optional [...] part), --parallel at a time: the load makes the race below likelier.
-A launch is unexpected if torchrun exits with another code than the script's (0 for all here); a rank
-that died by a signal is named by it (SIGABRT: "terminate called without an active exception"; a
-SIGTERM beside it is torchrun stopping the other rank).
+line, without the optional [...] part), --parallel at a time: the load makes the race below
+likelier. A launch is unexpected if torchrun exits with another code than the script's (0 for all
+here); a rank that died by a signal is named by it (SIGABRT: "terminate called without an active
+exception"; a SIGTERM beside it is torchrun stopping the other rank).
 
-The race: a gloo worker thread lets go of the last collective's work (and its tensors) just after the
-collective returns. If the process group is still alive when Python shuts down, that thread can need
-the GIL during Py_FinalizeEx, and the process aborts. The group's C++ object, and its threads, end
-only when its last reference goes; destroy_process_group() drops torch's own. So each rank runs under
-a wrapper that counts its native threads (/proc/self/task; gloo's are named pt_gloo_runloop and
-gloo_tcp_loop) before init_process_group, right after destroy_process_group, and at exit (the last
-atexit handler, just before the interpreter's teardown), then runs the script unchanged (runpy).
-Prints a table per script ("-": that moment never came, as in a script ending with os._exit) and
-writes JSON (--out), every launch's figures included.
+The race: a gloo worker thread lets go of the last collective's work (and its tensors) just after
+the collective returns. If the process group is still alive when Python shuts down, that thread can
+need the GIL during Py_FinalizeEx, and the process aborts. The group's C++ object, and its threads,
+end only when its last reference goes; destroy_process_group() drops torch's own. So each rank runs
+under a wrapper that counts its native threads (/proc/self/task; gloo's are named pt_gloo_runloop
+and gloo_tcp_loop) before init_process_group, right after destroy_process_group, and at exit (the
+last atexit handler, just before the interpreter's teardown), then runs the script unchanged
+(runpy). Prints a table per script ("-": that moment never came, as in a script ending with
+os._exit) and writes JSON (--out), every launch's figures included.
 """
 
 import argparse
@@ -58,7 +59,8 @@ def tag(when):  # one line per moment: rank, moment, all native threads, gloo's
         except OSError:  # a thread that just ended
             pass
     gloo = sum(name.startswith(("pt_gloo", "gloo")) for name in names)
-    os.write(1, f"@threads {os.environ.get('RANK')} {when} {len(names)} {gloo}\n".encode())  # one write: whole
+    # one write: whole
+    os.write(1, f"@threads {os.environ.get('RANK')} {when} {len(names)} {gloo}\n".encode())
 
 def patched(real, before, after):
     def call(*args, **kwargs):
@@ -68,9 +70,11 @@ def patched(real, before, after):
         return result
     return call
 
-for module in (dist, distributed_c10d):  # the scripts call dist.X; torch itself calls distributed_c10d.X
+for module in (dist, distributed_c10d):  # the scripts call dist.X; torch calls distributed_c10d.X
     module.init_process_group = patched(distributed_c10d.init_process_group, "before_init", None)
-    module.destroy_process_group = patched(distributed_c10d.destroy_process_group, None, "after_destroy")
+    module.destroy_process_group = patched(
+        distributed_c10d.destroy_process_group, None, "after_destroy"
+    )
 atexit.register(tag, "at_exit")  # registered first, so it runs last
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
@@ -80,8 +84,9 @@ runpy.run_path(script, run_name="__main__")
 
 
 def snippet_command(path):
-    """(environment, arguments) from the docstring's `Run:  [VAR=value ...] torchrun ... NAME.py [args]`."""
-    line = next((l for l in path.read_text().splitlines() if l.startswith("Run:")), None)
+    """(environment, arguments) from the docstring's `Run:  [VAR=value ...] torchrun ... NAME.py
+    [args]`."""
+    line = next((t for t in path.read_text().splitlines() if t.startswith("Run:")), None)
     if line is None or "torchrun" not in line:
         return None
     words = shlex.split(line[4:].split("(")[0].split("[")[0])
@@ -92,7 +97,8 @@ def snippet_command(path):
 
 
 def jobs(root):
-    """[(name, env, torchrun flags, script path, script args)]; {tmp} and {n}: a temporary folder, the launch."""
+    """[(name, env, torchrun flags, script path, script args)]; {tmp} and {n}: a temporary folder,
+    the launch."""
     found = []
     for name in TRAINING:
         args = [
@@ -177,7 +183,8 @@ def launch(number, job, root, temporary, timeout):
     threads = {}  # (rank, moment): (all, gloo's); the last destroy_process_group of a rank counts
     for rank, when, total, gloo in re.findall(r"^@threads (\d+) (\w+) (\d+) (\d+)$", text, re.M):
         threads[f"{rank} {when}"] = [int(total), int(gloo)]
-    # torchrun's summary names each failed rank's exit code; a negative one is the signal that ended it
+    # torchrun's summary names each failed rank's exit code; a negative one is the signal that ended
+    # it
     rank_codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", text)]
     return {
         "script": name,
@@ -236,12 +243,15 @@ def main():
                 records.append(record)
                 if record["code"] != EXPECTED.get(record["script"], 0):
                     print(
-                        f"launch {len(records)}: {record['script']} unexpected ({why(record)}):\n{record['tail']}",
+                        f"launch {len(records)}: {record['script']} unexpected "
+                        f"({why(record)}):\n{record['tail']}",
                         flush=True,
                     )
     print(
-        f"\n{args.launches} launches, {args.parallel} at a time, torch {torch.__version__}, {os.cpu_count()} cores,"
-        f" root {args.root}\nthreads: median over launches of the larger rank's count (max), all of them / gloo's\n"
+        f"\n{args.launches} launches, {args.parallel} at a time, torch {torch.__version__}, "
+        f"{os.cpu_count()} cores,"
+        f" root {args.root}\nthreads: median over launches of the larger rank's count (max), all "
+        "of them / gloo's\n"
     )
     print(
         "| script | launches | unexpected exits | threads before init | after destroy | at exit "

@@ -176,7 +176,8 @@ def main():
                 "n": len(values),
             }
             print(
-                f"| {label} | {summary[key]['median']:.3f} s | {min(values):.3f} s | {max(values):.3f} s |"
+                f"| {label} | {summary[key]['median']:.3f} s | {min(values):.3f} s | "
+                f"{max(values):.3f} s |"
                 + (
                     ""
                     if len(values) == len(trials)

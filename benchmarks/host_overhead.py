@@ -1,17 +1,17 @@
 """What a training step costs the host (the CPU that runs Python and launches the work), and what
 train_ddp.py spends before its first step. Prints a Markdown table and writes host_overhead.json.
 
-    OMP_NUM_THREADS=1 python benchmarks/host_overhead.py            # about 2 minutes on a 2-core CPU machine
+    OMP_NUM_THREADS=1 python benchmarks/host_overhead.py  # about 2 minutes on a 2-core CPU machine
     python benchmarks/host_overhead.py --device cuda                 # on a GPU
 
-At batch 1 a BabyCNN step's arithmetic is a small part of its time, so the time per step is mostly the
-host's: Python, the dispatcher, one launch per kernel (on a GPU the kernels run while the host goes on).
-Rows, in microseconds per step, medians over --repeats rounds:
+At batch 1 a BabyCNN step's arithmetic is a small part of its time, so the time per step is mostly
+the host's: Python, the dispatcher, one launch per kernel (on a GPU the kernels run while the host
+goes on). Rows, in microseconds per step, medians over --repeats rounds:
   bare loop          the model and the optimizer alone, on batches made before the clock starts
   bare loop in DDP   the same, wrapped in DDP on a process group of one: what train_ddp.py skips on one process
   train_ddp.py       one process, steady state from its metrics (batch indexing, the loss sum, the lr: the rest)
-Start-up: `python -c "import torch"`, and train_ddp.py's wall time for a run of one step without evaluation
-on the bundled MNIST files (start, imports, data, model, one step, exit).
+Start-up: `python -c "import torch"`, and train_ddp.py's wall time for a run of one step without
+evaluation on the bundled MNIST files (start, imports, data, model, one step, exit).
 """
 
 import argparse
@@ -117,16 +117,20 @@ results["script_cost"] = results["train_ddp"] - results["bare_loop"]
 m = results["machine"]
 table = "\n".join(
     [
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['gpus']} GPUs, torch {m['torch']}; device {args.device}, batch 1, "
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['gpus']} GPUs, torch {m['torch']}; device "
+        f"{args.device}, batch 1, "
         f"{args.steps} steps per run, medians of {args.repeats} rounds.",
         "",
         "| run | µs per step | over the bare loop |",
         "| --- | --- | --- |",
         f"| bare loop | {results['bare_loop']:,.0f} | |",
-        f"| bare loop in DDP, one process | {results['bare_loop_ddp']:,.0f} | {results['ddp_cost']:+,.0f} µs |",
-        f"| train_ddp.py, one process | {results['train_ddp']:,.0f} | {results['script_cost']:+,.0f} µs |",
+        f"| bare loop in DDP, one process | {results['bare_loop_ddp']:,.0f} | "
+        f"{results['ddp_cost']:+,.0f} µs |",
+        f"| train_ddp.py, one process | {results['train_ddp']:,.0f} | "
+        f"{results['script_cost']:+,.0f} µs |",
         "",
-        f"Start-up: `import torch` {results['import_torch_seconds']:.2f} s; train_ddp.py, a 1-step run on MNIST, "
+        f"Start-up: `import torch` {results['import_torch_seconds']:.2f} s; train_ddp.py, a 1-step "
+        "run on MNIST, "
         f"{results['first_step_seconds']:.2f} s from start to exit.",
     ]
 )

@@ -1,6 +1,7 @@
 """What --init-from holds in each rank's memory: the resident set of each rank before and after
-checkpoints.init_from (rank 0 reads the file, the others receive each weight by broadcast), beside every rank
-reading the file itself: the highest resident set while the weights load, over the one before. BabyCNN at --width 16 (7.2 M parameters, a 29 MB file). Prints a JSON line.
+checkpoints.init_from (rank 0 reads the file, the others receive each weight by broadcast), beside
+every rank reading the file itself: the highest resident set while the weights load, over the one
+before. BabyCNN at --width 16 (7.2 M parameters, a 29 MB file). Prints a JSON line.
 
     python benchmarks/init_from_memory.py               # 2 CPU processes
     python benchmarks/init_from_memory.py --width 24 --ranks 4

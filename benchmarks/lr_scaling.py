@@ -1,6 +1,6 @@
 """The linear scaling rule and warmup, measured: train_ddp.py at global batch 64 and 512, SGD with momentum.
 
-    python benchmarks/lr_scaling.py                 # 4 runs of 3 epochs, 2 at a time: about 3 minutes on 2 cores
+    python benchmarks/lr_scaling.py  # 4 runs of 3 epochs, 2 at a time: about 3 minutes on 2 cores
     python benchmarks/lr_scaling.py --epochs 1      # the same runs, one epoch each
 
 Runs the real script, one process each, on the synthetic set with the same seed:
@@ -33,9 +33,9 @@ from compare import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_LR = 0.005  # SGD, momentum 0.9, at batch 64: lr 0.005 to 0.03 all learn there, 0.05 does not
-# Batch 512 trains from the first step at lr 0.02 but not at 0.04 (tried by hand): a ramp of 50 steps
-# stays below 0.02 for its first 25 (half an epoch's samples at batch 64 lie behind it), and is a
-# seventh of a 3-epoch run (Goyal et al.: 5 epochs of 90).
+# Batch 512 trains from the first step at lr 0.02 but not at 0.04 (tried by hand): a ramp of 50
+# steps stays below 0.02 for its first 25 (half an epoch's samples at batch 64 lie behind it), and
+# is a seventh of a 3-epoch run (Goyal et al.: 5 epochs of 90).
 WARMUP_STEPS = 50
 SAMPLES_PER_LOG = 2560  # 40 steps at batch 64, 5 at batch 512
 RUNS = {  # name: (global batch, extra flags)
@@ -143,8 +143,8 @@ def main():
 
 
 def markdown(report):
-    """The table: test accuracy after each epoch; samples seen until the logged training loss first fell
-    below 0.1; the mean of the logged losses over the last epoch."""
+    """The table: test accuracy after each epoch; samples seen until the logged training loss first
+    fell below 0.1; the mean of the logged losses over the last epoch."""
     epochs = report["epochs"]
     lines = [
         "| run | global batch | lr | warmup | "
@@ -174,14 +174,16 @@ def markdown(report):
 
 
 def plot(report, path):
-    """Left: the training loss by samples seen. Right: the test error (1 - accuracy) after each epoch, on a log
-    axis, where 99.6% and 99.98% differ by 20x rather than by a pixel. One legend, under both panels."""
+    """Left: the training loss by samples seen. Right: the test error (1 - accuracy) after each
+    epoch, on a log axis, where 99.6% and 99.98% differ by 20x rather than by a pixel. One legend,
+    under both panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    floor = 0.005  # % of the 10,000 test images: half an image; a run with no error is drawn on this line
+    # % of the 10,000 test images: half an image; a run with no error is drawn on this line
+    floor = 0.005
     fig, (loss, error) = plt.subplots(1, 2, figsize=(11, 4.6))
     for name, r in report["runs"].items():
         label = f"{name}: batch {r['global_batch_size']}, lr {r.get('lr', 0):g}"

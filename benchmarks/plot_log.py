@@ -1,5 +1,6 @@
-"""Plot a run's --log-dir metrics.csv: the training loss (all ranks) at each logging step, the test loss and accuracy
-at each evaluation, and the lr. Works while the run trains (the rows are flushed as written).
+"""Plot a run's --log-dir metrics.csv: the training loss (all ranks) at each logging step, the test
+loss and accuracy at each evaluation, and the lr. Works while the run trains (the rows are flushed
+as written).
 
     bash run_ddp.sh --log-dir logs/ddp && python benchmarks/plot_log.py logs/ddp docs/images/log_ddp.png
 """

@@ -17,8 +17,9 @@ def batches(steps, batch_size, seed):
 
 
 def optimizer(parameters):
-    """The scripts' optimizer (AdamW, fused) from their own function, with their default flags, at the peak lr
-    (the scripts set the lr in their loop, step by step: a step at another lr costs the same)."""
+    """The scripts' optimizer (AdamW, fused) from their own function, with their default flags, at
+    the peak lr (the scripts set the lr in their loop, step by step: a step at another lr costs the
+    same)."""
     args = training.parser("benchmark").parse_args([])
     optimizer = training.make_optimizer(args, parameters)
     peak_lr, _ = training.peak_and_warmup(args, args.base_batch_size, total_steps=1)

@@ -1,13 +1,15 @@
 """Read the traces that --profile-steps wrote: per rank and step, the collectives the script issued in the forward,
-during the backward (with backward work still to come, so they can overlap it) and after it, and the time the rank
-waited on communication. Open the same files in https://ui.perfetto.dev to see each one.
+during the backward (with backward work still to come, so they can overlap it) and after it, and the
+time the rank waited on communication. Open the same files in https://ui.perfetto.dev to see each
+one.
 
     bash run_ddp.sh --max-steps 12 --profile-steps 10:10 --log-dir logs/trace
     python benchmarks/read_trace.py --log-dir logs/trace
 
-The collectives are the c10d calls on the rank's main thread (the same on a GPU). The wait is the time the main
-thread spent inside gloo's transfers (a send, a receive, a blocking collective): on a CPU with gloo only, since on a
-GPU NCCL's kernels wait on the device instead (read them on the timeline).
+The collectives are the c10d calls on the rank's main thread (the same on a GPU). The wait is the
+time the main thread spent inside gloo's transfers (a send, a receive, a blocking collective): on a
+CPU with gloo only, since on a GPU NCCL's kernels wait on the device instead (read them on the
+timeline).
 """
 
 import argparse
@@ -32,7 +34,8 @@ BACKWARD = re.compile(
 
 
 def read_rank(path):
-    """[{step_ms, wait_ms, issued: {kind: [in forward, during backward, after it]}}] for each step of one rank."""
+    """[{step_ms, wait_ms, issued: {kind: [in forward, during backward, after it]}}] for each step
+    of one rank."""
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
     main = Counter(e["tid"] for e in events if e.get("cat") == "cpu_op").most_common(1)[0][0]
     ops = sorted((e for e in events if e["tid"] == main), key=lambda e: e["ts"])
@@ -75,7 +78,8 @@ def main():
     if not paths:
         parser.exit(
             2,
-            f"error: no trace-rank*.json in {args.log_dir}: run with --profile-steps A:B --log-dir DIR\n",
+            f"error: no trace-rank*.json in {args.log_dir}: run with --profile-steps A:B --log-dir "
+            "DIR\n",
         )
     ranks = [read_rank(path) for path in paths]
     for rank, steps in enumerate(ranks):
@@ -85,8 +89,10 @@ def main():
                 for kind, n in sorted(step["issued"].items())
             )
             print(
-                f"rank {rank}, step {index + 1}: {step['step_ms']:.1f} ms, waiting on communication "
-                f"{step['wait_ms']:.1f} ms ({step['wait_ms'] / step['step_ms']:.0%}); issued {calls or 'nothing'}"
+                f"rank {rank}, step {index + 1}: {step['step_ms']:.1f} ms, waiting on "
+                "communication "
+                f"{step['wait_ms']:.1f} ms ({step['wait_ms'] / step['step_ms']:.0%}); issued "
+                f"{calls or 'nothing'}"
             )
     if args.metrics:
         args.metrics.write_text(json.dumps({"ranks": ranks}, indent=1))

@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import ROOT, launch, machine  # noqa: E402
 
 HYBRID = ["--sharding", "hybrid", "--replicate-degree", "2"]
-MEMORY = [  # (label, script, ranks, flags, shard group size: how many ranks share one copy of the state)
+# (label, script, ranks, flags, shard group size: how many ranks share one copy of the state)
+MEMORY = [
     ("DDP", "train_ddp.py", 1, [], 1),
     ("full", "train_fsdp.py", 2, ["--sharding", "full"], 2),
     ("grad-op", "train_fsdp.py", 2, ["--sharding", "grad-op"], 2),
@@ -196,27 +197,32 @@ def mib(value):
 
 def markdown(r):
     lines = [
-        "| layout | ranks | `state_bytes`, largest rank | 16·P / shard group | peak tensor bytes, largest rank "
+        "| layout | ranks | `state_bytes`, largest rank | 16·P / shard group | peak tensor bytes, "
+        "largest rank "
         "| unsharded weights at that peak | peak resident memory |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in r["memory"]:
         counted = row.get("peak_tensor_bytes")
         lines.append(
-            f"| {row['layout']} | {row['ranks']} | {mib(row['state_bytes'])} | {mib(row['expected_state_bytes'])} "
+            f"| {row['layout']} | {row['ranks']} | {mib(row['state_bytes'])} | "
+            f"{mib(row['expected_state_bytes'])} "
             f"| {mib(counted) if counted else ''} "
-            f"| {mib(row['unsharded_param_bytes_at_peak']) if counted else ''} | {mib(row['peak_rss_bytes'])} |"
+            f"| {mib(row['unsharded_param_bytes_at_peak']) if counted else ''} | "
+            f"{mib(row['peak_rss_bytes'])} |"
         )
     lines += [
         "",
-        "| width 1, batch 64, full, 2 ranks | activations left by forward | peak activations + temporaries "
+        "| width 1, batch 64, full, 2 ranks | activations left by forward | peak activations + "
+        "temporaries "
         "| peak tensor bytes |",
         "| --- | --- | --- | --- |",
     ]
     for row in r["activations"]:
         label = "with --activation-checkpointing" if row["activation_checkpointing"] else "without"
         lines.append(
-            f"| {label} | {mib(row['kept_for_backward_bytes'])} | {mib(row['peak_activation_and_temporary_bytes'])} "
+            f"| {label} | {mib(row['kept_for_backward_bytes'])} | "
+            f"{mib(row['peak_activation_and_temporary_bytes'])} "
             f"| {mib(row['peak_tensor_bytes'])} |"
         )
     spread = r["rounds"] > 1

@@ -1,12 +1,14 @@
-"""What the stop agreement costs: steady-state samples/s of train_ddp.py on 2 CPU processes with the ranks comparing
-their signals about once a second (failures.StopSignals.SECONDS = 1, the scripts' own), beside the same run that
-compares only at logging steps (as the old plumbing did) and one that compares at every step. Prints a JSON line; the
-runs rotate, so a machine's drift falls on all three.
+"""What the stop agreement costs: steady-state samples/s of train_ddp.py on 2 CPU processes with the
+ranks comparing their signals about once a second (failures.StopSignals.SECONDS = 1, the scripts'
+own), beside the same run that compares only at logging steps (as the old plumbing did) and one that
+compares at every step. Prints a JSON line; the runs rotate, so a machine's drift falls on all
+three.
 
     python benchmarks/stop_check.py                       # 2 CPU processes, 5 rounds of 3 runs
     python benchmarks/stop_check.py --rounds 3 --steps 600
 
-Each run is train_ddp.py itself, started through this file with StopSignals.SECONDS set first (--seconds).
+Each run is train_ddp.py itself, started through this file with StopSignals.SECONDS set first
+(--seconds).
 """
 
 import argparse
@@ -62,7 +64,8 @@ def run(seconds, steps, ranks, directory):
     process = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if process.returncode:
         sys.exit(
-            f"stop_check.py: a run failed with exit code {process.returncode}:\n{process.stderr[-2000:]}"
+            "stop_check.py: a run failed with exit code "
+            f"{process.returncode}:\n{process.stderr[-2000:]}"
         )
     return steady_state(json.loads(metrics.read_text()))[1]
 

@@ -1,12 +1,13 @@
 """Seconds of training to 98% and 99% test accuracy on the real MNIST, for each script, as a user runs it.
 
-    python benchmarks/time_to_accuracy.py                 # the three default commands, then --epochs 4
+    python benchmarks/time_to_accuracy.py  # the three default commands, then --epochs 4
     python benchmarks/time_to_accuracy.py --epochs 2      # the default commands only
 
-Each script runs under torchrun on --ranks processes (2: what `bash run_*.sh` starts without GPUs; on a GPU node,
-one per GPU) with its defaults and the bundled MNIST (`--dataset auto`), evaluating after every epoch. The
-seconds are training seconds (evaluations excluded), read from the run's own metrics; the accuracy is the test
-set's after each epoch. Writes time_to_accuracy.json and .md to --out.
+Each script runs under torchrun on --ranks processes (2: what `bash run_*.sh` starts without GPUs;
+on a GPU node, one per GPU) with its defaults and the bundled MNIST (`--dataset auto`), evaluating
+after every epoch. The seconds are training seconds (evaluations excluded), read from the run's own
+metrics; the accuracy is the test set's after each epoch. Writes time_to_accuracy.json and .md to
+--out.
 """
 
 import argparse
@@ -89,7 +90,8 @@ def main():
     lines = [
         f"Measured on {m['cpu']} ({m['cores']} cores, {m['gpus']} GPUs), torch {m['torch']}.",
         "",
-        "| script | epochs | ranks | global batch | peak lr | accuracy after each epoch | to 98 % | to 99 % |",
+        "| script | epochs | ranks | global batch | peak lr | accuracy after each epoch | to 98 % "
+        "| to 99 % |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
@@ -99,7 +101,8 @@ def main():
             for k in ("seconds_to_98", "seconds_to_99")
         ]
         lines.append(
-            f"| {r['script']} | {r['epochs']} | {r['ranks']} | {r['global_batch_size']} | {r['peak_lr']:g} | "
+            f"| {r['script']} | {r['epochs']} | {r['ranks']} | {r['global_batch_size']} | "
+            f"{r['peak_lr']:g} | "
             f"{after} % | {to[0]} | {to[1]} |"
         )
     (out / "time_to_accuracy.md").write_text("\n".join(lines) + "\n")

@@ -1,14 +1,16 @@
-"""What watching a run costs: steady-state samples/s of train_ddp.py with rank 0's progress bar drawn in a terminal
-and --log-dir's CSV (and TensorBoard events, where installed) on, beside the same run piped with neither. Prints a
-JSON line; the runs alternate, so a machine's drift falls on both.
+"""What watching a run costs: steady-state samples/s of train_ddp.py with rank 0's progress bar
+drawn in a terminal and --log-dir's CSV (and TensorBoard events, where installed) on, beside the
+same run piped with neither. Prints a JSON line; the runs alternate, so a machine's drift falls on
+both.
 
     python benchmarks/watch_overhead.py                       # 2 CPU processes, 6 pairs of runs
     python benchmarks/watch_overhead.py --pairs 3 --steps 600
 
-The bar redraws at most 10 times a second from the host's clock, and the CSV row is written at logging steps, which
-already wait for the device and the other ranks: neither adds a synchronisation per step. Whole runs on a shared
-machine move by a few percent from one to the next, more than what is measured, so the script also times the host
-work alone: watch.Progress's per-step cost with and without the bar and the CSV, in this process.
+The bar redraws at most 10 times a second from the host's clock, and the CSV row is written at
+logging steps, which already wait for the device and the other ranks: neither adds a synchronisation
+per step. Whole runs on a shared machine move by a few percent from one to the next, more than what
+is measured, so the script also times the host work alone: watch.Progress's per-step cost with and
+without the bar and the CSV, in this process.
 """
 
 import argparse
@@ -37,7 +39,8 @@ args = parser.parse_args()
 
 
 def run(watched, directory):
-    """samples/s of one run's steady state; ``watched``: in a pseudo-terminal (the bar drawn) with --log-dir."""
+    """samples/s of one run's steady state; ``watched``: in a pseudo-terminal (the bar drawn) with
+    --log-dir."""
     metrics = Path(directory) / f"{'watched' if watched else 'plain'}.json"
     command = [
         sys.executable,
@@ -75,7 +78,8 @@ def run(watched, directory):
         process = subprocess.run(command, cwd=ROOT, env=env, capture_output=True)
     if process.returncode:
         sys.exit(
-            f"watch_overhead.py: {' '.join(map(str, command))} failed with exit code {process.returncode}"
+            f"watch_overhead.py: {' '.join(map(str, command))} failed with exit code "
+            f"{process.returncode}"
         )
     return steady_state(json.loads(metrics.read_text()))[1]
 
@@ -88,8 +92,9 @@ def _read(fd):
 
 
 def host_cost(watched, steps=20_000, log_every=20):
-    """Microseconds of host time a step spends in watch.Progress: the bar drawn on a pseudo-terminal and a CSV row at
-    each logging step (watched), or neither; measured in this process, no training."""
+    """Microseconds of host time a step spends in watch.Progress: the bar drawn on a pseudo-terminal
+    and a CSV row at each logging step (watched), or neither; measured in this process, no training.
+    """
     sys.path.insert(0, str(ROOT))
     from plumbing import training, watch
 

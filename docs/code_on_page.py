@@ -1,7 +1,8 @@
 """Write the code the pages quote from the files themselves, so a page never shows stale code.
 
-    python docs/code_on_page.py            # rewrite every generated block of README.md and docs/*.md
-    python docs/code_on_page.py --check    # change nothing; exit 1 (and name them) if any block is stale
+    python docs/code_on_page.py  # rewrite every generated block of README.md and docs/*.md
+    # change nothing; exit 1 (and name them) if any block is stale
+    python docs/code_on_page.py --check
 
 A generated block is a fenced code block between two comments, which say what goes in it:
 
@@ -12,7 +13,8 @@ A generated block is a fenced code block between two comments, which say what go
     ```...```
     <!-- end generated -->
 
-Paths are relative to the repository's root. Only the fenced block between the comments is rewritten.
+Paths are relative to the repository's root. Only the fenced block between the comments is
+rewritten.
 """
 
 import argparse
@@ -90,7 +92,8 @@ def main():
                 page.write_text(new)
     if args.check and stale:
         print(
-            f"stale generated code in {', '.join(map(str, stale))}: run python docs/code_on_page.py",
+            f"stale generated code in {', '.join(map(str, stale))}: run python "
+            "docs/code_on_page.py",
             file=sys.stderr,
         )
         return 1

@@ -1,11 +1,13 @@
 """Draw the documentation's pictures from the real PyTorch objects the training scripts use.
 
     python docs/figures.py              # writes docs/images/*.png and docs/images/figures.json
-    python docs/figures.py --out DIR    # writes the same files into DIR instead (tests/test_figures.py does)
+    # writes the same files into DIR instead (tests/test_figures.py does)
+    python docs/figures.py --out DIR
 
-Nothing in a picture is typed in by hand: four gloo processes on this machine (a few seconds, CPU only) run the
-real code the training scripts run, and the pictures draw what they recorded. (When things happen during a step,
-the pipeline schedules included, is drawn from measured runs by docs/timelines.py.)
+Nothing in a picture is typed in by hand: four gloo processes on this machine (a few seconds, CPU
+only) run the real code the training scripts run, and the pictures draw what they recorded. (When
+things happen during a step, the pipeline schedules included, is drawn from measured runs by
+docs/timelines.py.)
 
   fsdp_shards.png         which rows of each BabyCNN parameter each rank holds after fully_shard, on a 1-D
                           mesh of 4 ranks (--sharding full) and a 2 x 2 (replicate, shard) mesh (--sharding hybrid)
@@ -24,10 +26,11 @@ the pipeline schedules included, is drawn from measured runs by docs/timelines.p
                           collective t = α + n·β from the gloo fit (benchmarks/results/
                           collectives.json); once taking turns, once on a stream of its own
 
-figures.json, written next to the PNGs, holds the exact data each picture draws. tests/test_figures.py
-regenerates it and compares it with the committed one: PNG bytes differ between matplotlib and freetype
-versions, the data does not. When a change to the code or to torch changes a picture, that test fails until
-`python docs/figures.py` is run again and its output committed.
+figures.json, written next to the PNGs, holds the exact data each picture draws.
+tests/test_figures.py regenerates it and compares it with the committed one: PNG bytes differ
+between matplotlib and freetype versions, the data does not. When a change to the code or to torch
+changes a picture, that test fails until `python docs/figures.py` is run again and its output
+committed.
 """
 
 import argparse
@@ -60,9 +63,11 @@ from train_tp import tensor_parallel  # noqa: E402  the script's own split
 TIMELINES = ROOT / "docs" / "images" / "timelines.json"  # measured compute: docs/timelines.py
 COLLECTIVES = ROOT / "benchmarks" / "results" / "collectives.json"  # the α–β fits
 
-WORLD = 4  # gloo processes: 2 pipeline ranks x 2 replicas, 4 FSDP shards, 2 nodes x 2 processes, 4 ring ranks
+# gloo processes: 2 pipeline ranks x 2 replicas, 4 FSDP shards, 2 nodes x 2 processes, 4 ring ranks
+WORLD = 4
 PIPELINE_RANKS = 2  # train_pippy.py --data-parallel 2 on 4 processes
-SAMPLES = 18  # not a multiple of 4: drop_last=True has something to drop, drop_last=False something to pad
+# not a multiple of 4: drop_last=True has something to drop, drop_last=False something to pad
+SAMPLES = 18
 SAMPLER_PANELS = ((2, True), (4, True), (4, False))  # (ranks, drop_last)
 DPI = 100
 RANK_COLOURS = ["#4477aa", "#ee6677", "#228833", "#ccbb44"]  # Paul Tol's colour-blind-safe set
@@ -70,15 +75,17 @@ IDLE = "#eeeeee"
 TP_BLOCK, TP_BATCH = 2, 4  # the pair drawn: block 2 (conv1 16 -> 32 channels, conv2 32 -> 32)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Part 1: what the four gloo processes record. Everything that needs a real process group happens here.
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Part 1: what the four gloo processes record. Everything that needs a real process group happens
+# here.
+# --------------------------------------------------------------------------------------------------
 
 
 def shard_rows(mesh, rank):
-    """fully_shard BabyCNN as train_fsdp.py does (each block, then the root), then find out which rows of each
-    parameter this rank holds: every rank writes its own rank number into its shard (to_local()) and
-    full_tensor() all-gathers the parameter, so row i of the result says who holds row i."""
+    """fully_shard BabyCNN as train_fsdp.py does (each block, then the root), then find out which
+    rows of each parameter this rank holds: every rank writes its own rank number into its shard
+    (to_local()) and full_tensor() all-gathers the parameter, so row i of the result says who holds
+    row i."""
     model = BabyCNN(device="meta")
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
@@ -205,8 +212,8 @@ def worker(rank, world, init_file, result_file):
 def record_in_process_group():
     """Start WORLD gloo processes and return what each recorded, by rank.
 
-    fork, not spawn: the children start in milliseconds with torch already imported. (This process has run
-    no torch op yet, so no thread pool is copied half-way.)"""
+    fork, not spawn: the children start in milliseconds with torch already imported. (This process
+    has run no torch op yet, so no thread pool is copied half-way.)"""
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp, "result.json")
         mp.start_processes(
@@ -218,9 +225,9 @@ def record_in_process_group():
         return json.loads(result_file.read_text())
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Part 2: turn the records into the data each picture draws (this is what figures.json holds).
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def fsdp_data(records):
@@ -243,9 +250,11 @@ def fsdp_data(records):
 
 
 def sampler_data():
-    """What DistributedSampler gives each rank (shuffle, seed 0): with drop_last=True, as the scripts set it, on 2 and
-    4 ranks, and with drop_last=False, its default, on 4 ranks, where 18 samples do not divide by 4."""
-    # One replica gets the whole shuffled order: the permutation every rank computes from the seed and epoch.
+    """What DistributedSampler gives each rank (shuffle, seed 0): with drop_last=True, as the
+    scripts set it, on 2 and 4 ranks, and with drop_last=False, its default, on 4 ranks, where 18
+    samples do not divide by 4."""
+    # One replica gets the whole shuffled order: the permutation every rank computes from the seed
+    # and epoch.
     order = list(
         DistributedSampler(
             range(SAMPLES), num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True
@@ -289,13 +298,15 @@ def sampler_data():
 
 
 def ring_data(records):
-    """Ring all-reduce on len(records) ranks, step by step, checked against the real dist.all_reduce.
+    """Ring all-reduce on len(records) ranks, step by step, checked against the real
+    dist.all_reduce.
 
-    Each tensor is cut into one chunk per rank. Reduce-scatter: in step s rank r sends chunk (r - s) mod N to
-    rank r + 1, which adds it to its own copy; after N - 1 steps rank r holds the whole sum of chunk (r + 1) mod N.
-    All-gather: the finished chunks go round the ring the same way, overwriting. The simulation counts what each
-    rank sends: 2 (N - 1) chunks of 1/N of the tensor, 2 (N - 1) / N of it, which nears 2 but never reaches it as N
-    grows, in 2 (N - 1) steps that each pay the link's latency once."""
+    Each tensor is cut into one chunk per rank. Reduce-scatter: in step s rank r sends chunk (r - s)
+    mod N to rank r + 1, which adds it to its own copy; after N - 1 steps rank r holds the whole sum
+    of chunk (r + 1) mod N. All-gather: the finished chunks go round the ring the same way,
+    overwriting. The simulation counts what each rank sends: 2 (N - 1) chunks of 1/N of the tensor,
+    2 (N - 1) / N of it, which nears 2 but never reaches it as N grows, in 2 (N - 1) steps that each
+    pay the link's latency once."""
     world = len(records)
     inputs = ring_inputs(world)
     chunks = [
@@ -335,7 +346,8 @@ def ring_data(records):
     result = [torch.cat(rank_chunks).tolist() for rank_chunks in chunks]
     real = [records[rank]["all_reduce"] for rank in range(world)]
     expected = sum(inputs).tolist()
-    # The picture must not show wrong math: the simulation, the real collective and the plain sum agree exactly.
+    # The picture must not show wrong math: the simulation, the real collective and the plain sum
+    # agree exactly.
     if not (result == real == [expected] * world):
         raise AssertionError(
             f"ring simulation {result} != dist.all_reduce {real} or the sum {expected}"
@@ -545,9 +557,9 @@ def overlap_data():
     return dict(png="overlap.png", model=True, panels=panels)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Part 3: draw. Each function draws only from its part of figures.json.
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def lighter(colour, amount):
@@ -563,8 +575,9 @@ def ink(face):
 
 
 def frame(fig, title, note, top=0.75, bottom=0.45, left=0.2, right=0.2, **spacing):
-    """A bold title and a small note at the top, margins in inches. A fixed layout rather than tight_layout,
-    which draws the whole figure once more just to measure it (a third of the drawing time here)."""
+    """A bold title and a small note at the top, margins in inches. A fixed layout rather than
+    tight_layout, which draws the whole figure once more just to measure it (a third of the drawing
+    time here)."""
     width, height = fig.get_size_inches()
     fig.text(0.1 / width, 1 - 0.1 / height, title, fontsize=12, fontweight="bold", va="top")
     fig.text(0.1 / width, 1 - 0.4 / height, note, fontsize=9, va="top", linespacing=1.4)
@@ -578,15 +591,16 @@ def frame(fig, title, note, top=0.75, bottom=0.45, left=0.2, right=0.2, **spacin
 
 
 def figure(size, rows=1, columns=1, **options):
-    """A figure and its axes, drawn by Agg into files. No pyplot: no display, no global state to clean up."""
+    """A figure and its axes, drawn by Agg into files. No pyplot: no display, no global state to
+    clean up."""
     fig = Figure(figsize=size)
     FigureCanvasAgg(fig)
     return fig, fig.subplots(rows, columns, **options)
 
 
 def save(fig, path):
-    # Fixed size and dpi, no "Software" tag (it names the matplotlib version): the same data, the same bytes on
-    # one matplotlib and freetype.
+    # Fixed size and dpi, no "Software" tag (it names the matplotlib version): the same data, the
+    # same bytes on one matplotlib and freetype.
     fig.savefig(path, dpi=DPI, metadata={"Software": None})
 
 
@@ -598,7 +612,8 @@ def draw_fsdp(data, path):
         for y, name in enumerate(names):
             p = layout["parameters"][name]
             n = p["shape"][0]
-            # Ranks holding the same rows are replicas of one shard: draw them in lanes, one above the other.
+            # Ranks holding the same rows are replicas of one shard: draw them in lanes, one above
+            # the other.
             holders = {}
             for rank, rows in enumerate(p["rows"]):
                 if rows:
@@ -658,11 +673,15 @@ def draw_fsdp(data, path):
         )
     frame(
         fig,
-        f"FSDP2: which rows of each BabyCNN parameter each of {data['world_size']} ranks holds after "
+        f"FSDP2: which rows of each BabyCNN parameter each of {data['world_size']} ranks holds "
+        "after "
         "fully_shard (each block, then the root, as train_fsdp.py does)",
-        "Every rank wrote its rank number into its shard (param.to_local()), and full_tensor() gathered the "
-        "shards back: row i of the result names its holder. Dim 0 is cut like torch.chunk, ceil(rows / ranks) "
-        "each,\nso blocks.3.fc's 10 rows split 3 / 3 / 3 / 1. In the hybrid mesh ranks 0 and 2 hold the same "
+        "Every rank wrote its rank number into its shard (param.to_local()), and full_tensor() "
+        "gathered the "
+        "shards back: row i of the result names its holder. Dim 0 is cut like torch.chunk, "
+        "ceil(rows / ranks) "
+        "each,\nso blocks.3.fc's 10 rows split 3 / 3 / 3 / 1. In the hybrid mesh ranks 0 and 2 "
+        "hold the same "
         "rows (replicas, one per node), and so do ranks 1 and 3.",
         top=1.25,
         bottom=0.75,
@@ -674,7 +693,8 @@ def draw_fsdp(data, path):
 
 
 def sampler_cell(ax, x, y, label, face, repeated=False):
-    """A sample in one position; a repeated one (drop_last=False's padding) pale, with a dashed border."""
+    """A sample in one position; a repeated one (drop_last=False's padding) pale, with a dashed
+    border."""
     face = lighter(face, 0.55) if repeated else face
     ax.add_patch(
         Rectangle(
@@ -737,7 +757,8 @@ def draw_sampler(data, path):
             rest = f"positions {n - len(p['dropped'])}–{n - 1} dropped (grey)"
         elif p["repeated"]:
             rest = (
-                f"padded to {len(dealt)} by repeating the first {len(p['repeated'])} indices (dashed): "
+                f"padded to {len(dealt)} by repeating the first {len(p['repeated'])} indices "
+                "(dashed): "
                 f"samples {' and '.join(map(str, p['repeated']))} are seen twice this epoch"
             )
         else:
@@ -752,12 +773,17 @@ def draw_sampler(data, path):
     )
     frame(
         fig,
-        f"DistributedSampler over {n} samples (shuffle=True, seed={data['seed']}, epoch {data['epoch']}): "
+        f"DistributedSampler over {n} samples (shuffle=True, seed={data['seed']}, epoch "
+        f"{data['epoch']}): "
         "each rank's share",
-        "Every rank draws the same permutation from seed + epoch (set_epoch changes it each epoch) and takes "
-        "every W-th entry from position r, so every rank gets the same count.\nWhen W does not divide the "
-        "samples, drop_last=True (the scripts' setting) leaves the last positions to no rank; drop_last=False "
-        "(the default) pads the order with its\nfirst indices instead, so a few samples count twice.",
+        "Every rank draws the same permutation from seed + epoch (set_epoch changes it each epoch) "
+        "and takes "
+        "every W-th entry from position r, so every rank gets the same count.\nWhen W does not "
+        "divide the "
+        "samples, drop_last=True (the scripts' setting) leaves the last positions to no rank; "
+        "drop_last=False "
+        "(the default) pads the order with its\nfirst indices instead, so a few samples count "
+        "twice.",
         top=1.25,
         bottom=0.55,
         left=1.0,
@@ -835,11 +861,15 @@ def draw_ring(data, path):
     ax.axis("off")
     frame(
         fig,
-        f"Ring all-reduce on {world} ranks, each tensor cut in {world} chunks: {world - 1} reduce-scatter "
+        f"Ring all-reduce on {world} ranks, each tensor cut in {world} chunks: {world - 1} "
+        "reduce-scatter "
         f"steps, then {world - 1} all-gather steps",
-        "A cell lists the ranks whose inputs that rank's copy of the chunk sums so far. Each row is the state "
-        "before its step; the outlined chunk is the one the rank sends to the next rank on the ring.\n"
-        f"Every rank sends {steps} chunks of 1/{world}: {share} of its tensor, 2(W−1)/W, which nears 2 as W grows; "
+        "A cell lists the ranks whose inputs that rank's copy of the chunk sums so far. Each row "
+        "is the state "
+        "before its step; the outlined chunk is the one the rank sends to the next rank on the "
+        "ring.\n"
+        f"Every rank sends {steps} chunks of 1/{world}: {share} of its tensor, 2(W−1)/W, which "
+        "nears 2 as W grows; "
         f"and the {steps} = 2(W−1) steps each pay the link's latency α, so n bytes cost about "
         "2(W−1)·α + 2(W−1)/W·n·β\n(β: seconds per byte), a latency term that grows with W. "
         f"Checked against a real dist.all_reduce (gloo): {data['result'][0]} on every rank.",
@@ -856,7 +886,8 @@ def draw_mesh(data, path):
     fig, axes = figure((13, 4.8), 1, len(data["meshes"]))
     captions = {
         "pipeline": "train_pippy.py --data-parallel 2: init_device_mesh(..., (2, 2), ('pp', 'dp'))",
-        "hybrid": "train_fsdp.py --sharding hybrid: init_device_mesh(..., (2, 2), ('replicate', 'shard'))",
+        "hybrid": "train_fsdp.py --sharding hybrid: init_device_mesh(..., (2, 2), ('replicate', "
+        "'shard'))",
     }
     width, height, step_x, step_y = (
         1.5,
@@ -891,7 +922,8 @@ def draw_mesh(data, path):
                 color=ink(RANK_COLOURS[rank]),
                 fontsize=10,
             )
-        # Each mesh dimension's process groups, as the mesh made them: a line from box to box through the gap.
+        # Each mesh dimension's process groups, as the mesh made them: a line from box to box
+        # through the gap.
         for dim in mesh["names"]:
             for group in sorted({tuple(g[dim]) for g in mesh["groups"]}):
                 for a, b in itertools.pairwise(group):
@@ -936,11 +968,15 @@ def draw_mesh(data, path):
         ax.set_title(captions[label], fontsize=9.5)
     frame(
         fig,
-        f"Device meshes on {nodes} nodes x {per_node} processes (torchrun numbers rank = node x {per_node} "
+        f"Device meshes on {nodes} nodes x {per_node} processes (torchrun numbers rank = node x "
+        f"{per_node} "
         "+ local rank)",
-        "Lines join the ranks of one process group. Pipeline: a stage's replicas (dp) share a node, so the "
-        "gradient all-reduce of every step stays on the fast links;\nonly activations cross nodes. Hybrid FSDP: "
-        "shards within a node (all-gathers every step), replicas across nodes (one all-reduce of shards).",
+        "Lines join the ranks of one process group. Pipeline: a stage's replicas (dp) share a "
+        "node, so the "
+        "gradient all-reduce of every step stays on the fast links;\nonly activations cross nodes. "
+        "Hybrid FSDP: "
+        "shards within a node (all-gathers every step), replicas across nodes (one all-reduce of "
+        "shards).",
         top=1.15,
         bottom=0.45,
         left=0.7,

@@ -1,11 +1,13 @@
 """Draw when things happen in one training step, from a real 2-rank run on this machine.
 
-    python docs/timelines.py              # writes docs/images/timeline_*.png and docs/images/timelines.json
-    python docs/timelines.py --out DIR    # writes the same files into DIR instead (tests/test_timelines.py does)
+    python docs/timelines.py  # writes docs/images/timeline_*.png and docs/images/timelines.json
+    # writes the same files into DIR instead (tests/test_timelines.py does)
+    python docs/timelines.py --out DIR
 
-Two gloo processes (CPU, one thread each, a few seconds) build the models as the training scripts build them, run
-real steps and record, on the clock both processes share (time.perf_counter_ns, CLOCK_MONOTONIC), when each piece
-of work started and ended. Nothing is placed by hand; each picture draws the median step of those recorded.
+Two gloo processes (CPU, one thread each, a few seconds) build the models as the training scripts
+build them, run real steps and record, on the clock both processes share (time.perf_counter_ns,
+CLOCK_MONOTONIC), when each piece of work started and ended. Nothing is placed by hand; each picture
+draws the median step of those recorded.
 
   timeline_ddp.png       one DDP step of BabyCNN (train_ddp.py's wrapping, batch 64 per rank): each block's forward
                          and backward (module hooks), and each bucket's all-reduce (a DDP comm hook that starts the
@@ -19,11 +21,12 @@ of work started and ended. Nothing is placed by hand; each picture draws the med
                          ranks and 4 microbatches: each forward, backward, input- and weight-gradient action of
                          each stage, at the times it ran
 
-timelines.json, written next to the PNGs, holds what the pictures draw. Under each key named "times" are the
-measurements: they change from run to run and are drawn, never compared. Everything else is structure: the order
-of the events on each rank, which collective follows which block, the buckets and what they hold, which all-gathers
-run in backward, how many bytes more grad-op holds after forward. tests/test_timelines.py runs this script again and compares that
-structure with the committed file.
+timelines.json, written next to the PNGs, holds what the pictures draw. Under each key named "times"
+are the measurements: they change from run to run and are drawn, never compared. Everything else is
+structure: the order of the events on each rank, which collective follows which block, the buckets
+and what they hold, which all-gathers run in backward, how many bytes more grad-op holds after
+forward. tests/test_timelines.py runs this script again and compares that structure with the
+committed file.
 """
 
 import argparse
@@ -65,15 +68,17 @@ WARMUP, RECORDED = (
     3,
 )  # steps run before recording (DDP rebuilds its buckets after the first), steps recorded
 DDP_BATCH = 64  # train_ddp.py's default --batch-size, width 1
-# DDP's default buckets (25 MiB, the first 1 MiB) hold all 172 kB of BabyCNN's gradients at once: one all-reduce
-# after the whole backward. 0.05 MiB cuts them into three, so the first all-reduces can run during the backward.
+# DDP's default buckets (25 MiB, the first 1 MiB) hold all 172 kB of BabyCNN's gradients at once:
+# one all-reduce after the whole backward. 0.05 MiB cuts them into three, so the first all-reduces
+# can run during the backward.
 DDP_RUNS = {"default": None, "0.05": 0.05}
-# FSDP at --width 8 --batch-size 8: 1.86 M parameters, so that the gathered weights weigh about as much as the
-# activations and the memory curve shows them (at width 1 and batch 64 the activations weigh 45 times the weights).
+# FSDP at --width 8 --batch-size 8: 1.86 M parameters, so that the gathered weights weigh about as
+# much as the activations and the memory curve shows them (at width 1 and batch 64 the activations
+# weigh 45 times the weights).
 FSDP_WIDTH, FSDP_BATCH = 8, 8
 SHARDINGS = ("full", "grad-op")
-# train_pippy.py --batch-size 256 --microbatches 4: 64 samples a microbatch, so that each action computes for
-# milliseconds, longer than a message between the ranks takes on gloo
+# train_pippy.py --batch-size 256 --microbatches 4: 64 samples a microbatch, so that each action
+# computes for milliseconds, longer than a message between the ranks takes on gloo
 PIPELINE_BATCH, MICROBATCHES = 256, 4
 BLOCKS = 4
 ACTION = re.compile(r"(\d+)([FBIW])(\d+)")  # torch's notation: 2F0 = stage 2, forward, microbatch 0
@@ -91,16 +96,19 @@ def now():
     return time.perf_counter_ns()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Part 1: what the two gloo processes record. Everything that needs a real process group happens here.
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Part 1: what the two gloo processes record. Everything that needs a real process group happens
+# here.
+# --------------------------------------------------------------------------------------------------
 
 
 def ddp_steps(bucket_cap_mb):
-    """Train BabyCNN under DDP as train_ddp.py wraps it; record WARMUP + RECORDED steps, return the RECORDED.
+    """Train BabyCNN under DDP as train_ddp.py wraps it; record WARMUP + RECORDED steps, return the
+    RECORDED.
 
-    Each step: [(label, start ns, end ns)], labels "forward blocks.i", "backward blocks.i", "all-reduce bucket k",
-    "optimizer step", "step"; and the buckets: [(index, parameter names, bytes)]."""
+    Each step: [(label, start ns, end ns)], labels "forward blocks.i", "backward blocks.i",
+    "all-reduce bucket k", "optimizer step", "step"; and the buckets: [(index, parameter names,
+    bytes)]."""
     world = dist.get_world_size()
     torch.manual_seed(0)
     model = BabyCNN()
@@ -123,7 +131,8 @@ def ddp_steps(bucket_cap_mb):
         block.register_forward_hook(
             lambda module, args, output, i=index: end(f"forward blocks.{i}")
         )
-        # Backward of a block: from the gradient of its output (the pre-hook) to its last parameter's gradient.
+        # Backward of a block: from the gradient of its output (the pre-hook) to its last
+        # parameter's gradient.
         block.register_full_backward_pre_hook(
             lambda module, grad, i=index: begin(f"backward blocks.{i}")
         )
@@ -133,7 +142,8 @@ def ddp_steps(bucket_cap_mb):
             )
 
     def timed_allreduce(state, bucket):
-        """What DDP does without a hook (divide by the world size, all-reduce), noting when it starts and ends."""
+        """What DDP does without a hook (divide by the world size, all-reduce), noting when it
+        starts and ends."""
         start = now()
         index, tensor = bucket.index(), bucket.buffer()
         buckets[index] = (
@@ -159,7 +169,8 @@ def ddp_steps(bucket_cap_mb):
         optimizer.zero_grad(set_to_none=True)
         events.clear()
         backward_ends.clear()
-        dist.barrier()  # both ranks start the step together, as the previous step's all-reduce leaves them
+        # both ranks start the step together, as the previous step's all-reduce leaves them
+        dist.barrier()
         step_start = now()
         loss = F.cross_entropy(ddp_model(images), labels)
         loss.backward()  # returns once every bucket's all-reduce has finished
@@ -182,9 +193,10 @@ def ddp_steps(bucket_cap_mb):
 def fsdp_steps(sharding, mesh):
     """Train BabyCNN under FSDP2 as train_fsdp.py wraps it; profile RECORDED steps after WARMUP.
 
-    Returns, per recorded step, FSDP's own profiler ranges and our markers as (name, start ns, end ns) and the
-    allocations as (time ns, bytes: + allocated, - freed, made by the training thread), on the perf_counter_ns
-    clock. The others come from gloo's own thread: buffers of its collectives, freed when that thread gets to it."""
+    Returns, per recorded step, FSDP's own profiler ranges and our markers as (name, start ns, end
+    ns) and the allocations as (time ns, bytes: + allocated, - freed, made by the training thread),
+    on the perf_counter_ns clock. The others come from gloo's own thread: buffers of its
+    collectives, freed when that thread gets to it."""
     torch.manual_seed(0)
     model = BabyCNN(width=FSDP_WIDTH, device="meta")
     reshard = sharding != "grad-op"
@@ -214,7 +226,8 @@ def fsdp_steps(sharding, mesh):
 
     for _ in range(WARMUP):
         step(False)
-    # Before the profiler starts: the first step the profiler sees then frees no gradient it did not see allocated.
+    # Before the profiler starts: the first step the profiler sees then frees no gradient it did not
+    # see allocated.
     optimizer.zero_grad(set_to_none=True)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         clock = now()
@@ -256,8 +269,9 @@ def fsdp_steps(sharding, mesh):
 
 
 def timed_actions(stage, log):
-    """Note the start and end of every compute call the schedule makes on ``stage``, named in torch's notation:
-    2F0 is stage 2's forward of microbatch 0, B a full backward, I its input-gradient half, W its weight half."""
+    """Note the start and end of every compute call the schedule makes on ``stage``, named in
+    torch's notation: 2F0 is stage 2's forward of microbatch 0, B a full backward, I its
+    input-gradient half, W its weight half."""
     forward, backward, weight = (
         stage.forward_one_chunk,
         stage.backward_one_chunk,
@@ -294,8 +308,8 @@ def timed_actions(stage, log):
 
 
 def pipeline_steps():
-    """Every schedule of train_pippy.py's SCHEDULES, built as train_pippy.py builds it on 2 pipeline ranks:
-    {name: (stage indices on this rank, the blocks of every stage,
+    """Every schedule of train_pippy.py's SCHEDULES, built as train_pippy.py builds it on 2 pipeline
+    ranks: {name: (stage indices on this rank, the blocks of every stage,
             [per recorded step: (step start, end, [(action, start, end)])])}."""
     rank = dist.get_rank()
     generator = torch.Generator().manual_seed(
@@ -375,7 +389,8 @@ def worker(rank, world, init_file, result_file):
 
 
 def record_in_process_group():
-    """Start WORLD gloo processes and return what each recorded, by rank (fork: see docs/figures.py)."""
+    """Start WORLD gloo processes and return what each recorded, by rank (fork: see
+    docs/figures.py)."""
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp, "result.json")
         mp.start_processes(
@@ -387,13 +402,15 @@ def record_in_process_group():
         return json.loads(result_file.read_text())
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Part 2: turn the records into the data each picture draws (timelines.json): structure, and "times".
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Part 2: turn the records into the data each picture draws (timelines.json): structure, and
+# "times".
+# --------------------------------------------------------------------------------------------------
 
 
 def median_step(per_rank_steps, bounds):
-    """The index of the step whose duration (first start to last end over the ranks) is the median."""
+    """The index of the step whose duration (first start to last end over the ranks) is the
+    median."""
     durations = []
     for k in range(len(per_rank_steps[0])):
         starts, ends = zip(*(bounds(steps[k]) for steps in per_rank_steps))
@@ -406,7 +423,8 @@ def ms(t, origin):
 
 
 def covered(events, prefix, start, end):
-    """Milliseconds of [start, end] during which at least one event named prefix... ran (their union)."""
+    """Milliseconds of [start, end] during which at least one event named prefix... ran (their
+    union)."""
     spans = sorted((max(s, start), min(e, end)) for name, s, e in events if name.startswith(prefix))
     total, reached = 0.0, start
     for s, e in spans:
@@ -442,7 +460,8 @@ def ddp_data(records):
                 dict(index=index, parameters=params, bytes=size) for index, params, size in buckets
             ],
             order=order,  # per rank, by start time
-            # An all-reduce starts before the first block's backward (the backward's last part) begins.
+            # An all-reduce starts before the first block's backward (the backward's last part)
+            # begins.
             overlaps_backward=[
                 o.index("all-reduce bucket 0") < o.index("backward blocks.0") for o in order
             ],
@@ -477,10 +496,11 @@ def fsdp_label(name):
 
 
 def fsdp_events(step):
-    """(label, start, end) of the compute and the collectives of one rank's step, from FSDP's ranges:
-    a block's forward runs from the end of its FSDP::pre_forward to the start of its FSDP::post_forward, its
-    backward from the end of its FSDP::pre_backward to the start of its FSDP::post_backward_accumulate (torch
-    2.15 has no such range: there, to the start of its FSDP::post_backward_reshard, which comes first)."""
+    """(label, start, end) of the compute and the collectives of one rank's step, from FSDP's
+    ranges: a block's forward runs from the end of its FSDP::pre_forward to the start of its
+    FSDP::post_forward, its backward from the end of its FSDP::pre_backward to the start of its
+    FSDP::post_backward_accumulate (torch 2.15 has no such range: there, to the start of its
+    FSDP::post_backward_reshard, which comes first)."""
     ranges = step["ranges"]
 
     def find(name):
@@ -510,9 +530,10 @@ def fsdp_events(step):
 def memory_curve(step, origin, forward_end):
     """The bytes allocated since the step began: (curve, bytes at the end of forward, peak bytes).
 
-    The curve is [[ms, MiB]], the highest level in each 0.1 ms with a change (a step plot of it keeps every peak).
-    At the end of forward only the training thread's allocations count: gloo's thread frees its buffers when it
-    gets the CPU, on a loaded machine a few milliseconds late, and what is held then would depend on that."""
+    The curve is [[ms, MiB]], the highest level in each 0.1 ms with a change (a step plot of it
+    keeps every peak). At the end of forward only the training thread's allocations count: gloo's
+    thread frees its buffers when it gets the CPU, on a loaded machine a few milliseconds late, and
+    what is held then would depend on that."""
     level, levels = 0, []
     for t, size, _ in step["allocations"]:
         level += size
@@ -572,9 +593,9 @@ def fsdp_data(records):
                 peak_mib=peaks,
             ),
         )
-    # Not a matter of timing: at the end of forward grad-op still holds every block's gathered weights, full only
-    # the last block's (whose backward comes next). The peaks, in backward, lie too close to order them: the
-    # picture shows them, nothing checks them.
+    # Not a matter of timing: at the end of forward grad-op still holds every block's gathered
+    # weights, full only the last block's (whose backward comes next). The peaks, in backward, lie
+    # too close to order them: the picture shows them, nothing checks them.
     held = {s: shardings[s].pop("after_forward_bytes") for s in SHARDINGS}
     return dict(
         png="timeline_fsdp.png",
@@ -625,9 +646,9 @@ def pipeline_data(records):
     )
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Part 3: draw. Each function draws only from its part of timelines.json.
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def block_of(label):
@@ -635,7 +656,8 @@ def block_of(label):
 
 
 def bar(ax, start, end, y, face, char, texts=(), edge=None, height=0.7, hatch=None, fontsize=7.5):
-    """A box from start to end, with the first of ``texts`` that fits in it (``char``: a letter's width, in ms)."""
+    """A box from start to end, with the first of ``texts`` that fits in it (``char``: a letter's
+    width, in ms)."""
     ax.add_patch(
         Rectangle(
             (start, y - height / 2),
@@ -660,7 +682,8 @@ def compute_face(label):
 
 
 def texts(label):
-    """What a box may say, longest first: forward blocks.2 -> F2, all-reduce bucket 1 -> bucket 1, b1, ..."""
+    """What a box may say, longest first: forward blocks.2 -> F2, all-reduce bucket 1 -> bucket 1,
+    b1, ..."""
     kind, _, what = label.partition(" ")
     if kind in ("forward", "backward"):
         return (f"{kind[0].upper()}{block_of(label)}",)
@@ -672,8 +695,9 @@ def texts(label):
 
 
 def draw_lanes(ax, events_per_rank, char, title, sublanes=1):
-    """Two lanes per rank: its compute, then its collectives; events_per_rank: [[label, start, end]] per rank.
-    With sublanes=n, all-reduce bucket k gets row k of n in the collectives' lane: buckets in flight together."""
+    """Two lanes per rank: its compute, then its collectives; events_per_rank: [[label, start, end]]
+    per rank. With sublanes=n, all-reduce bucket k gets row k of n in the collectives' lane: buckets
+    in flight together."""
     ticks, names = [], []
     for rank, events in enumerate(events_per_rank):
         y_compute, y_comm = 2.4 * rank, 2.4 * rank + 1
@@ -732,8 +756,10 @@ def draw_ddp(data, path):
             ax,
             [[e for e in events if e[0] != "step"] for events in run["times"]["events"]],
             horizon / 200,
-            f"{cap}: {len(run['buckets'])} bucket{'s' if len(run['buckets']) > 1 else ''} ({sizes}). "
-            f"All-reduce in flight during backward: {in_flight} ms; after it: {exposed} ms (ranks 0 and 1)",
+            f"{cap}: {len(run['buckets'])} bucket{'s' if len(run['buckets']) > 1 else ''} "
+            f"({sizes}). "
+            f"All-reduce in flight during backward: {in_flight} ms; after it: {exposed} ms (ranks "
+            "0 and 1)",
             sublanes=len(run["buckets"]),
         )
         for rank, end in enumerate(run["times"]["backward_end"]):
@@ -770,11 +796,15 @@ def draw_ddp(data, path):
     )
     frame(
         fig,
-        f"One DDP step of BabyCNN on {data['world_size']} ranks (gloo, CPU, batch {data['batch_size']} per "
+        f"One DDP step of BabyCNN on {data['world_size']} ranks (gloo, CPU, batch "
+        f"{data['batch_size']} per "
         "rank), measured: when each bucket's all-reduce runs",
-        "Backward runs from the last block to the first (B3 first). A bucket's all-reduce starts when its last "
-        "gradient is ready and ends when both ranks have sent it: one that starts\nbefore the dotted line "
-        "overlaps the backward. Forward and backward: module hooks; all-reduce: a DDP comm hook. The median of "
+        "Backward runs from the last block to the first (B3 first). A bucket's all-reduce starts "
+        "when its last "
+        "gradient is ready and ends when both ranks have sent it: one that starts\nbefore the "
+        "dotted line "
+        "overlaps the backward. Forward and backward: module hooks; all-reduce: a DDP comm hook. "
+        "The median of "
         f"{RECORDED} measured steps.",
         top=1.05,
         bottom=1.15,
@@ -813,8 +843,10 @@ def draw_fsdp(data, path):
                 color=colour,
                 linewidth=1.2,
                 drawstyle="steps-post",
-                label=f"rank {rank}: {s['times']['after_forward_mib'][rank]:.1f} MiB at the end of forward "
-                f"(dotted); highest {s['times']['peak_mib'][rank]:.1f} MiB, gloo's buffers included",
+                label=f"rank {rank}: {s['times']['after_forward_mib'][rank]:.1f} MiB at the end of "
+                "forward "
+                f"(dotted); highest {s['times']['peak_mib'][rank]:.1f} MiB, gloo's buffers "
+                "included",
             )
             end = s["times"]["forward_end"][rank]
             mem.plot(
@@ -851,11 +883,16 @@ def draw_fsdp(data, path):
         fig,
         f"One FSDP2 step of BabyCNN --width {data['width']} ({data['parameters']:,} parameters) on "
         f"{data['world_size']} ranks (gloo, CPU, batch {data['batch_size']} per rank), measured",
-        "Compute and collectives from FSDP's own profiler ranges; memory: every CPU allocation and free the "
-        "profiler saw during the step (profile_memory=True), above what the rank held before it\n(its shards and "
-        f"optimizer state). full gathers blocks 0-2 again in backward; grad-op keeps them from forward. "
-        f"The median of {RECORDED} measured steps.\nOn a CPU, FSDP waits for each collective it calls (no second "
-        "stream to run it on), so compute and collectives take turns. The highest level includes buffers that "
+        "Compute and collectives from FSDP's own profiler ranges; memory: every CPU allocation and "
+        "free the "
+        "profiler saw during the step (profile_memory=True), above what the rank held before "
+        "it\n(its shards and "
+        "optimizer state). full gathers blocks 0-2 again in backward; grad-op keeps them from "
+        "forward. "
+        f"The median of {RECORDED} measured steps.\nOn a CPU, FSDP waits for each collective it "
+        "calls (no second "
+        "stream to run it on), so compute and collectives take turns. The highest level includes "
+        "buffers that "
         "gloo's thread frees late,\nso it moves from run to run.",
         top=1.4,
         bottom=1.15,
@@ -901,7 +938,8 @@ def draw_pipeline(data, path):
         per_rank = len(s["stages"][0])
         idle = ", ".join(f"{100 * f:.0f}%" for f in s["times"]["idle_fraction"])
         ax.set_title(
-            f"{name}: {s['schedule_class']}, {per_rank} stage{'s' if per_rank > 1 else ''} per rank — "
+            f"{name}: {s['schedule_class']}, {per_rank} stage{'s' if per_rank > 1 else ''} per "
+            "rank — "
             f"step {s['times']['step_length_ms']:.1f} ms, idle per rank {idle}",
             loc="left",
             fontsize=10,
@@ -937,12 +975,16 @@ def draw_pipeline(data, path):
     )
     frame(
         fig,
-        f"Pipeline schedules on {data['pipeline_ranks']} ranks, {data['microbatches']} microbatches of "
-        f"{data['batch_size'] // data['microbatches']} samples (train_pippy.py --schedule NAME --batch-size "
+        f"Pipeline schedules on {data['pipeline_ranks']} ranks, {data['microbatches']} "
+        "microbatches of "
+        f"{data['batch_size'] // data['microbatches']} samples (train_pippy.py --schedule NAME "
+        "--batch-size "
         f"{data['batch_size']} --microbatches {data['microbatches']}), measured",
         "Each action at the time it ran in one real schedule.step() (the median of "
-        f"{RECORDED}). F forward (dark), B full backward (light), I input-gradient half of a backward (light), "
-        "W weight-gradient half (hatched);\nthe number is the microbatch, the colour the stage. Grey: the rank "
+        f"{RECORDED}). F forward (dark), B full backward (light), I input-gradient half of a "
+        "backward (light), "
+        "W weight-gradient half (hatched);\nthe number is the microbatch, the colour the stage. "
+        "Grey: the rank "
         "computes nothing.",
         top=1.2,
         bottom=0.85,
@@ -967,8 +1009,10 @@ def main():
         14,
     ):  # as docs/figures.py: the committed pictures were drawn with torch 2.14
         sys.exit(
-            f"error: on torch {torch.__version__}, zbv cannot run on gloo (its schedule sends between a rank's "
-            "own neighbouring stages, and gloo cannot send to its own rank): draw the timelines with a later "
+            f"error: on torch {torch.__version__}, zbv cannot run on gloo (its schedule sends "
+            "between a rank's "
+            "own neighbouring stages, and gloo cannot send to its own rank): draw the timelines "
+            "with a later "
             "torch"
         )
     args.out.mkdir(parents=True, exist_ok=True)

@@ -12,8 +12,8 @@ generator, seeded from ``torch.initial_seed()``, the parameter's name and the ro
 So a rank that holds only some rows (an FSDP shard) or only some blocks (a pipeline stage) could
 initialise exactly its part of a ``meta``-built model, and still get the very values the whole
 model gets on one process with the same seed. (The scripts build the model whole, which is right
-for any model's init; ``docs/fsdp.md`` says when meta is needed.) (DTensor's own random ops cannot do this on the
-CPU: they reproduce a full tensor only on CUDA-like devices.)
+for any model's init; ``docs/fsdp.md`` says when meta is needed.) (DTensor's own random ops cannot
+do this on the CPU: they reproduce a full tensor only on CUDA-like devices.)
 """
 
 import hashlib
@@ -110,7 +110,8 @@ def _local_rows(param):
 
 @torch.no_grad()
 def init_block(block, block_index):
-    """He-uniform for convolutions (they feed a ReLU), LeCun-uniform for the classifier, zero biases.
+    """He-uniform for convolutions (they feed a ReLU), LeCun-uniform for the classifier, zero
+    biases.
 
     Values are drawn in float32 whatever the parameter's dtype, so a float64 model starts from
     exactly the float32 model's weights."""

@@ -1,16 +1,18 @@
-"""Image data for the three training scripts: map-style Datasets, held whole as tensors on the training device.
+"""Image data for the three training scripts: map-style Datasets, held whole as tensors on the
+training device.
 
-``load`` returns each split as a ``torch.utils.data.TensorDataset`` of normalised images (N, C, H, W) and labels,
-on the device: the scripts gather a batch by index there (no DataLoader workers, no per-sample Python or PIL on the
-hot path), as they would pass a Dataset of your own through a DataLoader. Which indices a rank uses is decided by
-the training script with ``torch.utils.data.DistributedSampler``, so the sharding stays visible there.
+``load`` returns each split as a ``torch.utils.data.TensorDataset`` of normalised images (N, C, H,
+W) and labels, on the device: the scripts gather a batch by index there (no DataLoader workers, no
+per-sample Python or PIL on the hot path), as they would pass a Dataset of your own through a
+DataLoader. Which indices a rank uses is decided by the training script with
+``torch.utils.data.DistributedSampler``, so the sharding stays visible there.
 
-Datasets: ``auto`` (the default) is the original MNIST files that ship in models/mnist/, read with no network;
-``mnist``, ``fashion-mnist`` and ``cifar10`` are a copy in --data-dir (the IDX files as they are distributed,
-gzip-compressed or not, or torchvision's layout), downloaded by torchvision when missing; ``synthetic`` is a fast,
-offline, deterministic 10-class set of digit glyphs drawn from a small built-in bitmap font, for tests. ``find``
-looks for the files (downloading them where allowed) before the process group exists; ``load`` makes every rank
-agree on them and reads them.
+Datasets: ``auto`` (the default) is the original MNIST files that ship in models/mnist/, read with
+no network; ``mnist``, ``fashion-mnist`` and ``cifar10`` are a copy in --data-dir (the IDX files as
+they are distributed, gzip-compressed or not, or torchvision's layout), downloaded by torchvision
+when missing; ``synthetic`` is a fast, offline, deterministic 10-class set of digit glyphs drawn
+from a small built-in bitmap font, for tests. ``find`` looks for the files (downloading them where
+allowed) before the process group exists; ``load`` makes every rank agree on them and reads them.
 
 ``shakespeare``: the text in models/tinyshakespeare/, for the GPT (models/gpt.py), as windows of
 characters (models/shakespeare.py); not among --dataset's choices until the scripts build the GPT.
@@ -63,11 +65,13 @@ def add_arguments(
         "--dataset",
         choices=("auto", "synthetic", *_TORCHVISION),
         default="auto",
-        help="auto: the MNIST files in models/mnist/, no network; mnist: a copy in --data-dir; synthetic: for tests",
+        help="auto: the MNIST files in models/mnist/, no network; mnist: a copy in --data-dir; "
+        "synthetic: for tests",
     )
     add(
         "--data-dir",
-        help="where mnist, fashion-mnist and cifar10 are read from and downloaded to (default: ./data); "
+        help="where mnist, fashion-mnist and cifar10 are read from and downloaded to (default: "
+        "./data); "
         "not with --dataset auto",
     )
     add(
@@ -78,15 +82,16 @@ def add_arguments(
 
 
 def find(name, data_dir, download=True):
-    """This process's view of the files of dataset ``name``, to hand to ``load``: whether they are there (downloaded
-    first, when missing and allowed), or what is wrong with them. Call it before the process group exists: a
-    download may outlast any collective's timeout. The processes sharing a ``data_dir`` take turns (a file lock),
-    so one downloads and the others then find the files."""
+    """This process's view of the files of dataset ``name``, to hand to ``load``: whether they are
+    there (downloaded first, when missing and allowed), or what is wrong with them. Call it before
+    the process group exists: a download may outlast any collective's timeout. The processes sharing
+    a ``data_dir`` take turns (a file lock), so one downloads and the others then find the files."""
     if (
         name == "auto" and data_dir is not None
     ):  # never read: say so, rather than train on other data than asked
         raise DataError(
-            f"--data-dir {data_dir} is not read with --dataset auto, which trains on the MNIST files in "
+            f"--data-dir {data_dir} is not read with --dataset auto, which trains on the MNIST "
+            "files in "
             f"{BUNDLED}: add --dataset mnist to train on the MNIST files in {data_dir}"
         )
     if name == "shakespeare":  # the text in models/tinyshakespeare/: checked here, never downloaded
@@ -109,7 +114,8 @@ def find(name, data_dir, download=True):
         folder, os.R_OK | os.X_OK
     ):  # not "missing": the fix is another
         found["broken"] = (
-            f"{os.path.abspath(folder)} cannot be read by this user (permission denied): let it read it"
+            f"{os.path.abspath(folder)} cannot be read by this user (permission denied): let it "
+            "read it"
         )
         return found
     found["missing"] = None if _on_disk(wanted, data_dir) else "--no-download forbids fetching it"
@@ -132,7 +138,8 @@ def find(name, data_dir, download=True):
             if train_images.shape[1:] != test_images.shape[1:]:
                 raise DataError(
                     f"{wanted} in {found['data_dir']} has training images of shape "
-                    f"{tuple(train_images.shape[1:])} but test images of {tuple(test_images.shape[1:])}"
+                    f"{tuple(train_images.shape[1:])} but test images of "
+                    f"{tuple(test_images.shape[1:])}"
                 )
         except DataError as error:
             found["broken"], found["splits"] = str(error), None
@@ -140,10 +147,11 @@ def find(name, data_dir, download=True):
 
 
 def load(found, device, dtype=torch.float32, workers=0, log=print, block_size=None):
-    """Collective (every rank must call it): every rank sees every rank's ``find`` (an all_gather), so all of them
-    train on the same dataset, ``auto`` included, or all stop with one line naming the node that lacks the files.
-    Returns its name and the training and test splits as TensorDatasets of ``dtype`` images on ``device`` (in CPU
-    memory for ``workers``: a DataLoader's worker processes cannot read CUDA tensors). ``log`` speaks for rank 0."""
+    """Collective (every rank must call it): every rank sees every rank's ``find`` (an all_gather),
+    so all of them train on the same dataset, ``auto`` included, or all stop with one line naming
+    the node that lacks the files. Returns its name and the training and test splits as
+    TensorDatasets of ``dtype`` images on ``device`` (in CPU memory for ``workers``: a DataLoader's
+    worker processes cannot read CUDA tensors). ``log`` speaks for rank 0."""
     # shakespeare: windows of block_size characters (default 64) and their targets, as int64 ids
     answers = [None] * dist.get_world_size()
     dist.all_gather_object(answers, {k: v for k, v in found.items() if k != "splits"})
@@ -213,7 +221,8 @@ _FILES = {
 
 
 def _agree(name, answers, log):
-    """The dataset every rank uses, from every rank's answer; a DataError when a node lacks the files."""
+    """The dataset every rank uses, from every rank's answer; a DataError when a node lacks the
+    files."""
     if name == "synthetic":
         return "synthetic"
     nodes = list(
@@ -238,7 +247,8 @@ def _agree(name, answers, log):
     files = os.path.join(first["data_dir"], _FILES[wanted])
     shared = " on every node (or on storage all nodes share)" if several else ""
     raise DataError(
-        f"{wanted} is not in {where}{others} and {first['missing']}: put the files in {files}{shared}, "
+        f"{wanted} is not in {where}{others} and {first['missing']}: put the files in "
+        f"{files}{shared}, "
         "or pick --dataset synthetic"
     )
 
@@ -258,8 +268,9 @@ def _on_disk(name, data_dir):
 
 
 def _idx_paths(name, data_dir):
-    """The four IDX files of ``name`` (``mnist`` or ``fashion-mnist``), each also read as FILE.gz: torchvision's
-    layout DIR/MNIST/raw/, or the files alone in DIR (as they are distributed, and as models/mnist/ holds them)."""
+    """The four IDX files of ``name`` (``mnist`` or ``fashion-mnist``), each also read as FILE.gz:
+    torchvision's layout DIR/MNIST/raw/, or the files alone in DIR (as they are distributed, and as
+    models/mnist/ holds them)."""
     raw = os.path.join(data_dir, _TORCHVISION[name], "raw")
     folder = raw if os.path.isdir(raw) else data_dir
     return [os.path.join(folder, file) for file in _IDX]
@@ -290,7 +301,8 @@ def _download(name, data_dir):
 
 
 def _read(name, data_dir, train):
-    """(images uint8 (N, C, H, W), labels int64 (N,)) of one split, checked; a DataError names a bad file."""
+    """(images uint8 (N, C, H, W), labels int64 (N,)) of one split, checked; a DataError names a bad
+    file."""
     if name == "cifar10":
         import torchvision
 
@@ -305,7 +317,8 @@ def _read(name, data_dir, train):
         raise DataError(f"{images_path} holds no images")
     if len(labels) != len(images):
         raise DataError(
-            f"{labels_path} holds {len(labels)} labels for the {len(images)} images in {images_path}; "
+            f"{labels_path} holds {len(labels)} labels for the {len(images)} images in "
+            f"{images_path}; "
             "the two files must match"
         )
     if min(images.shape[1:]) < 4:
@@ -388,7 +401,8 @@ def _glyph_templates(upscale=4):
 
 
 def synthetic_digits(count, seed, image_size=28):
-    """``count`` images (uint8, (count, 1, image_size, image_size)) and labels of the synthetic set."""
+    """``count`` images (uint8, (count, 1, image_size, image_size)) and labels of the synthetic
+    set."""
     generator = torch.Generator().manual_seed(seed)
     templates = _glyph_templates()
     _, _, th, tw = templates.shape
@@ -407,7 +421,8 @@ def synthetic_digits(count, seed, image_size=28):
     # The glyph fills about 20x14 pixels of a 28x28 frame, as MNIST digits fill a 20x20 box.
     glyph_h, glyph_w = 20 / image_size, 20 / image_size * tw / th
     cos, sin = torch.cos(angle), torch.sin(angle)
-    # Output -> template coordinates: undo shift, rotate back, unscale, unshear, fit to the glyph box.
+    # Output -> template coordinates: undo shift, rotate back, unscale, unshear, fit to the glyph
+    # box.
     theta = torch.zeros(count, 2, 3, dtype=torch.float64)
     theta[:, 0, 0] = (cos + shear * sin) / (scale * glyph_w)
     theta[:, 0, 1] = (sin - shear * cos) / (scale * glyph_w)
@@ -416,7 +431,8 @@ def synthetic_digits(count, seed, image_size=28):
     theta[:, 0, 2] = -(theta[:, 0, 0] * shift_x + theta[:, 0, 1] * shift_y)
     theta[:, 1, 2] = -(theta[:, 1, 0] * shift_x + theta[:, 1, 1] * shift_y)
 
-    # Pixel centres in [-1, 1] (as affine_grid with align_corners=False makes them, but as one matmul).
+    # Pixel centres in [-1, 1] (as affine_grid with align_corners=False makes them, but as one
+    # matmul).
     centres = (torch.arange(image_size, dtype=torch.float32) * 2 + 1) / image_size - 1
     ys, xs = torch.meshgrid(centres, centres, indexing="ij")
     pixels = torch.stack([xs.flatten(), ys.flatten(), torch.ones(image_size * image_size)], dim=1)

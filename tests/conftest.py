@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-# One intra-op thread, as in every launch (child_env): and no OpenMP thread pool here, which a fork (Fork) could not use.
+# One intra-op thread, as in every launch (child_env): and no OpenMP thread pool here, which a fork
+# (Fork) could not use.
 os.environ["OMP_NUM_THREADS"] = "1"
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -41,8 +42,9 @@ from models import BabyCNN, data  # noqa: E402
 TIMEOUT = 240  # seconds for one launch; a healthy one takes 5 to 40 here
 
 
-# pytest-xdist hands out whole files (--dist loadfile, pytest.ini) in the order they were collected: the longest go
-# first (by --durations, in seconds of launches), so that none starts last while the other worker has nothing left.
+# pytest-xdist hands out whole files (--dist loadfile, pytest.ini) in the order they were collected:
+# the longest go first (by --durations, in seconds of launches), so that none starts last while the
+# other worker has nothing left.
 LONGEST_FIRST = [
     "test_checkpoint.py",
     "test_faults.py",
@@ -82,8 +84,8 @@ def child_env(**extra):
 
 class Run:
     def __init__(self, args, env=None, cwd=None, fork=False):
-        """Start ``args``; with ``fork``, ``args`` is ``[python, script, ...]`` or ``[python, -m, module, ...]``, run
-        in a fork of this process (Fork)."""
+        """Start ``args``; with ``fork``, ``args`` is ``[python, script, ...]`` or ``[python, -m,
+        module, ...]``, run in a fork of this process (Fork)."""
         self.args = [str(a) for a in args]
         if fork:
             self.process = Fork(self.args, env or child_env(), cwd or ROOT)
@@ -94,7 +96,8 @@ class Run:
                 env=env or child_env(),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,  # not in pytest's process group: a Ctrl-C reaches pytest only
+                # not in pytest's process group: a Ctrl-C reaches pytest only
+                start_new_session=True,
             )
         self.started = time.monotonic()
         self._chunks = []
@@ -132,8 +135,8 @@ class Run:
         return self
 
     def wait_for_text(self, text, timeout=TIMEOUT):
-        """Wait until the launch prints ``text``; fail, saying what was awaited, if it ends first or takes ``timeout`` s
-        from its start."""
+        """Wait until the launch prints ``text``; fail, saying what was awaited, if it ends first or
+        takes ``timeout`` s from its start."""
         while text not in self.output:
             if self.process.poll() is not None:
                 self._reader.join(10)  # its last lines may still be in the pipe
@@ -146,10 +149,11 @@ class Run:
 
 
 class Fork:
-    """What Run uses of subprocess.Popen, for ``python script args`` or ``python -m module args`` run in a fork of this
-    process: the same files run as __main__, in a process of its own (its own session, environment, directory, stdout
-    and stderr on one pipe, exit code), without the 2 to 3 s of CPU a new interpreter spends importing torch, which
-    is imported here already. The suite's cost is mostly such imports (a launch's ranks, torchrun's agent)."""
+    """What Run uses of subprocess.Popen, for ``python script args`` or ``python -m module args``
+    run in a fork of this process: the same files run as __main__, in a process of its own (its own
+    session, environment, directory, stdout and stderr on one pipe, exit code), without the 2 to 3 s
+    of CPU a new interpreter spends importing torch, which is imported here already. The suite's
+    cost is mostly such imports (a launch's ranks, torchrun's agent)."""
 
     def __init__(self, args, env, cwd):
         assert not dist.is_initialized()  # a process group would be the fork's too
@@ -169,8 +173,9 @@ class Fork:
 
     @staticmethod
     def _main(args, env, cwd, write):
-        """In the fork: what a new interpreter does for ``args``, down to the exit code, with what pytest changed in
-        this process undone: its stdout and stderr, signal handlers, warning filters, log handlers, exit handlers."""
+        """In the fork: what a new interpreter does for ``args``, down to the exit code, with what
+        pytest changed in this process undone: its stdout and stderr, signal handlers, warning
+        filters, log handlers, exit handlers."""
         try:
             os.setsid()  # not in pytest's process group: a Ctrl-C reaches pytest only
             for fd in (1, 2):
@@ -188,7 +193,8 @@ class Fork:
                     signal.signal(
                         number, signal.SIG_DFL
                     )  # as exec leaves them (ignored ones stay ignored)
-            warnings.resetwarnings()  # then the interpreter's default filters, as `python` starts with
+            # then the interpreter's default filters, as `python` starts with
+            warnings.resetwarnings()
             for category in (
                 ResourceWarning,
                 ImportWarning,
@@ -198,7 +204,8 @@ class Fork:
                 warnings.simplefilter("ignore", category)
             warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
             warnings.showwarning = _print_warning
-            logging.root.handlers.clear()  # pytest's capture: torchrun's log lines go to stderr again
+            # pytest's capture: torchrun's log lines go to stderr again
+            logging.root.handlers.clear()
             logging.root.setLevel(logging.WARNING)
             atexit._clear()  # pytest's own; the script's run below, as at an interpreter's exit
             os.environ.clear()
@@ -246,18 +253,20 @@ def _print_warning(message, category, filename, lineno, file=None, line=None):
     sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
-# Fork only where this process sees no GPU: a fork could not hide one (torch has counted them here already).
+# Fork only where this process sees no GPU: a fork could not hide one (torch has counted them here
+# already).
 FORKS = torch.cuda.device_count() == 0
 
 
 def forks(env):
-    """Whether a launch with ``env`` may run in a fork: where it imports this repository's files, as this process."""
+    """Whether a launch with ``env`` may run in a fork: where it imports this repository's files, as
+    this process."""
     return FORKS and (env or {}).get("PYTHONPATH", str(ROOT)) == str(ROOT)
 
 
 def torchrun(script, nproc, *args, env=None):
-    """Start ``torchrun --standalone --nproc-per-node=nproc script args`` (not waited for): torchrun's agent in a fork
-    where it may be one (forks), its workers new processes."""
+    """Start ``torchrun --standalone --nproc-per-node=nproc script args`` (not waited for):
+    torchrun's agent in a fork where it may be one (forks), its workers new processes."""
     command = [
         sys.executable,
         "-m",
@@ -270,21 +279,23 @@ def torchrun(script, nproc, *args, env=None):
 
 
 def python(script, *args, env=None, fork=True):
-    """Start ``python script args``: one process, no torchrun, in a fork where it may be one (forks), unless ``fork``
-    is False: a new interpreter, as a user's, where what importing torch prints counts."""
+    """Start ``python script args``: one process, no torchrun, in a fork where it may be one
+    (forks), unless ``fork`` is False: a new interpreter, as a user's, where what importing torch
+    prints counts."""
     return Run([sys.executable, ROOT / script, *args], env=env, fork=fork and forks(env))
 
 
 def launch(script, processes, *args, env=None):
-    """As a user launches it: ``bash run_*.sh`` with NPROC_PER_NODE=processes, or plain python for one process
-    (torchrun's agent costs a process)."""
+    """As a user launches it: ``bash run_*.sh`` with NPROC_PER_NODE=processes, or plain python for
+    one process (torchrun's agent costs a process)."""
     if processes > 1:
         return run_sh(script, processes, *args, env=env)
     return python(script, *args, env=env)
 
 
 def run_sh(script, processes, *args, env=None):
-    """Start ``NPROC_PER_NODE=processes bash run_ddp.sh args`` (run_fsdp.sh, run_pippy.sh: the script's own)."""
+    """Start ``NPROC_PER_NODE=processes bash run_ddp.sh args`` (run_fsdp.sh, run_pippy.sh: the
+    script's own)."""
     env = with_this_pythons_torchrun({**(env or child_env()), "NPROC_PER_NODE": str(processes)})
     return Run(
         ["bash", ROOT / script.replace("train_", "run_").replace(".py", ".sh"), *args], env=env
@@ -304,7 +315,8 @@ def free_port():
 
 
 def _write_idx(path, tensor):
-    """IDX format as MNIST ships it: magic (0, 0, 0x08 = uint8, ndim), big-endian dims, raw bytes."""
+    """IDX format as MNIST ships it: magic (0, 0, 0x08 = uint8, ndim), big-endian dims, raw
+    bytes."""
     header = struct.pack(">BBBB", 0, 0, 0x08, tensor.dim()) + struct.pack(
         f">{tensor.dim()}I", *tensor.shape
     )
@@ -313,8 +325,8 @@ def _write_idx(path, tensor):
 
 @pytest.fixture(scope="session")
 def mnist_dir(tmp_path_factory):
-    """A data dir holding MNIST/raw/ with the first 640 training and 300 test images of the real MNIST (the files
-    that ship in models/mnist/): real digits, small enough for runs of seconds."""
+    """A data dir holding MNIST/raw/ with the first 640 training and 300 test images of the real
+    MNIST (the files that ship in models/mnist/): real digits, small enough for runs of seconds."""
     root = tmp_path_factory.mktemp("data")
     raw = root / "MNIST" / "raw"
     raw.mkdir(parents=True)
@@ -331,12 +343,13 @@ def mnist_dir(tmp_path_factory):
 # SGD with momentum, a warmup and gradient clipping (every step's gradient norm is above 1 here, 7.9
 # or more, so the norm of the whole model over all ranks and stages scales every step), crossing an
 # epoch boundary (20 steps per epoch at global batch 32), in float64. Equivalent layouts do the same
-# math in another summation order (half-batches, then an all-reduce, a reduce-scatter, microbatches). In float32 that order leaves ~1e-7 differences, and an
-# activation that close to a ReLU or max-pool kink takes the other branch on one side: one such flip
-# moves a layer's gradient by ~1e-4 of its size, and later steps amplify it (measured here: 1e-6 after
-# 2 steps, 3e-4 after 3, 8e-4 after 6 with ATEN_CPU_CAPABILITY=default). Which CPU, kernel and seed
-# flips is chance. In float64 the order leaves ~1e-16, no flip is in reach, and 24 steps stay far from
-# chaos, so the tolerance can be tight and the same on every machine.
+# math in another summation order (half-batches, then an all-reduce, a reduce-scatter,
+# microbatches). In float32 that order leaves ~1e-7 differences, and an activation that close to a
+# ReLU or max-pool kink takes the other branch on one side: one such flip moves a layer's gradient
+# by ~1e-4 of its size, and later steps amplify it (measured here: 1e-6 after 2 steps, 3e-4 after 3,
+# 8e-4 after 6 with ATEN_CPU_CAPABILITY=default). Which CPU, kernel and seed flips is chance. In
+# float64 the order leaves ~1e-16, no flip is in reach, and 24 steps stay far from chaos, so the
+# tolerance can be tight and the same on every machine.
 EQUIVALENCE = [
     "--precision",
     "fp64",
@@ -364,8 +377,9 @@ def mnist_args(mnist_dir):
 
 
 def made_once(tmp_path_factory, name, make):
-    """A directory that ``make(directory)`` fills once in a session, for every pytest-xdist worker: the first to ask
-    makes it, under a file lock, while another waits for it instead of launching the same run."""
+    """A directory that ``make(directory)`` fills once in a session, for every pytest-xdist worker:
+    the first to ask makes it, under a file lock, while another waits for it instead of launching
+    the same run."""
     root = tmp_path_factory.getbasetemp()
     root = (
         root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
@@ -383,7 +397,8 @@ def made_once(tmp_path_factory, name, make):
 
 @pytest.fixture(scope="session")
 def reference_run(mnist_dir, tmp_path_factory):
-    """train_ddp.py, one process without torchrun, batch 32: what every equivalent run must reach."""
+    """train_ddp.py, one process without torchrun, batch 32: what every equivalent run must
+    reach."""
     return made_once(
         tmp_path_factory,
         "reference",
@@ -447,8 +462,9 @@ def max_difference(a, b):
 
 
 def relative_difference(weights, reference, initial=None):
-    """||weights - reference|| / ||reference - initial||, over all tensors: 0 for the same run, about
-    1 for a run that went elsewhere. The initial weights: BabyCNN's for --seed 0, unless given."""
+    """||weights - reference|| / ||reference - initial||, over all tensors: 0 for the same run,
+    about 1 for a run that went elsewhere. The initial weights: BabyCNN's for --seed 0, unless
+    given."""
     assert weights.keys() == reference.keys()
     if initial is None:
         torch.manual_seed(0)
@@ -472,10 +488,10 @@ GLOO_START_UP = re.compile(
 
 
 def our_lines(output):
-    """The lines of a launch's output the project printed: not launch.sh's torchrun command, nor torch 2.9's gloo
-    start-up lines ("[Gloo] Rank N is connected to N peer ranks. Expected number of connected peer ranks is : N"),
-    which each rank writes a piece at a time, so that two ranks' pieces interleave anywhere: its words go, and then
-    the lines left with nothing but numbers."""
+    """The lines of a launch's output the project printed: not launch.sh's torchrun command, nor
+    torch 2.9's gloo start-up lines ("[Gloo] Rank N is connected to N peer ranks. Expected number of
+    connected peer ranks is : N"), which each rank writes a piece at a time, so that two ranks'
+    pieces interleave anywhere: its words go, and then the lines left with nothing but numbers."""
     lines = GLOO_START_UP.sub("", output).splitlines()
     return [
         line
@@ -485,8 +501,9 @@ def our_lines(output):
 
 
 def assert_one_line_error(run, message):
-    """A bad-input run: exit code 2, one `error:` line (from rank 0), the last, and no traceback or torchrun log line
-    (torch 2.9's gloo start-up lines are not ours, and a rank's may come after another's error line: our_lines)."""
+    """A bad-input run: exit code 2, one `error:` line (from rank 0), the last, and no traceback or
+    torchrun log line (torch 2.9's gloo start-up lines are not ours, and a rank's may come after
+    another's error line: our_lines)."""
     lines = our_lines(run.output)
     errors = [line for line in lines if line.startswith("error:")]
     assert run.returncode == 2 and len(errors) == 1 and lines[-1] == errors[0], run.output
@@ -512,7 +529,8 @@ def _parents():
 
 
 def wait_for(path, *runs, timeout=120):
-    """Wait until ``path`` exists; fail (and kill the runs) if one of them ends first or it takes too long."""
+    """Wait until ``path`` exists; fail (and kill the runs) if one of them ends first or it takes
+    too long."""
     deadline = time.monotonic() + timeout
     while not path.exists():
         if any(run.process.poll() is not None for run in runs) or time.monotonic() > deadline:
@@ -523,7 +541,8 @@ def wait_for(path, *runs, timeout=120):
 
 
 def alive(pid):
-    """True while ``pid`` runs (a zombie, dead but not yet reaped by its new parent, counts as gone)."""
+    """True while ``pid`` runs (a zombie, dead but not yet reaped by its new parent, counts as
+    gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -562,5 +581,6 @@ def launcher_env(**extra):
 
 
 def with_this_pythons_torchrun(env):
-    """``env`` with this Python's bin directory first on its PATH, where launch.sh finds torchrun."""
+    """``env`` with this Python's bin directory first on its PATH, where launch.sh finds
+    torchrun."""
     return {**env, "PATH": os.path.dirname(sys.executable) + os.pathsep + env["PATH"]}

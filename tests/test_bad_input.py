@@ -1,17 +1,20 @@
-"""Bad input, every case in one table: one `error:` line from rank 0, exit code 2, nothing written, launched as a user
-launches it (`bash run_ddp.sh`, torchrun and all: no traceback of its own may follow the line), with MAX_RESTARTS=2:
-torchrun does not try a bad input again, so the line is said once.
+"""Bad input, every case in one table: one `error:` line from rank 0, exit code 2, nothing written,
+launched as a user launches it (`bash run_ddp.sh`, torchrun and all: no traceback of its own may
+follow the line), with MAX_RESTARTS=2: torchrun does not try a bad input again, so the line is said
+once.
 
 A case is one line: (script, processes, flags, the error line it must give). One process where the
 world size does not matter. All cases start at once and fail within seconds, before any training
-(except the diverging one, which stops at its first logging window). 8 of them get past the flags and
-meet in their own rendezvous (RENDEZVOUS): 8 launches started together, none of which may take another's
-port (a traceback from init_process_group, not one line, when one did). Each kind of refusal is launched once;
-other inputs refused the same way are checked where they are refused (the shared parser, data.find): a launch
-costs seconds of imports, and those cases differ only in the message.
+(except the diverging one, which stops at its first logging window). 8 of them get past the flags
+and meet in their own rendezvous (RENDEZVOUS): 8 launches started together, none of which may take
+another's port (a traceback from init_process_group, not one line, when one did). Each kind of
+refusal is launched once; other inputs refused the same way are checked where they are refused (the
+shared parser, data.find): a launch costs seconds of imports, and those cases differ only in the
+message.
 
 Two tables of the same kind live beside what they need: bad launcher variables (an environment, not
-flags) in test_launch.py, and bad checkpoints (made from its uninterrupted runs) in test_checkpoint.py.
+flags) in test_launch.py, and bad checkpoints (made from its uninterrupted runs) in
+test_checkpoint.py.
 """
 
 import importlib
@@ -53,8 +56,8 @@ CASES = {
         [*mnist_args("{mnist}"), "--batch-size", "321"],
         "is more than the 320 samples each of the 2 ranks gets",
     ),
-    # The suite hides the GPUs (conftest.child_env), so every rank finds none; on a GPU node the same check
-    # stops, in one line per node, more processes than GPUs.
+    # The suite hides the GPUs (conftest.child_env), so every rank finds none; on a GPU node the
+    # same check stops, in one line per node, more processes than GPUs.
     "cuda-without-gpus": (
         "train_ddp.py",
         2,
@@ -147,8 +150,8 @@ FLAGS = {
         "argument --momentum: must be at least 0 and below 1, got -1",
     ),
 }
-# Refused by the flags a script adds to the shared parser, before anything else its main() does, as zero-batch is by
-# train_ddp.py's: (module, flags, the error).
+# Refused by the flags a script adds to the shared parser, before anything else its main() does, as
+# zero-batch is by train_ddp.py's: (module, flags, the error).
 SCRIPT_FLAGS = {
     "replicate-degree-0": (
         "train_fsdp",
@@ -171,7 +174,8 @@ DAMAGED = {
 
 
 def bad_mnist(root):
-    """One MNIST directory per kind of damage, each otherwise valid (640 training, 300 test images)."""
+    """One MNIST directory per kind of damage, each otherwise valid (640 training, 300 test
+    images)."""
     (train_x, train_y), (test_x, test_y) = (
         synthetic_digits(640, seed=10),
         synthetic_digits(300, seed=11),
@@ -284,16 +288,19 @@ def test_help_prints_once_and_a_missing_script_is_one_line():
     assert run.returncode == 0 and run.output.count("usage: train_fsdp.py") == 1, run.output
     run = Run(["bash", ROOT / "launch.sh", "train_nope.py"], env=launcher_env()).wait()
     assert run.returncode == 2 and run.output.splitlines() == [
-        f"error: no training script {ROOT}/train_nope.py: use run_ddp.sh, run_fsdp.sh, run_pippy.sh or run_tp.sh "
+        f"error: no training script {ROOT}/train_nope.py: use run_ddp.sh, run_fsdp.sh, "
+        "run_pippy.sh or run_tp.sh "
         "(or bash launch.sh train_ddp.py|train_fsdp.py|train_pippy.py|train_tp.py)"
     ], run.output
 
 
 def with_full_disk(directory, command, before=":"):
-    """Run ``command`` with a 300 kB file system of its own at ``directory`` (a user and mount namespace: no root
-    needed), ``before`` run there first; what the directory holds at the end is listed in ``directory``.left."""
+    """Run ``command`` with a 300 kB file system of its own at ``directory`` (a user and mount
+    namespace: no root needed), ``before`` run there first; what the directory holds at the end is
+    listed in ``directory``.left."""
     script = (
-        f'mount -t tmpfs -o size=300k tmpfs "{directory}" && cd "{directory}" && {before} && "$@"; code=$?; '
+        f'mount -t tmpfs -o size=300k tmpfs "{directory}" && cd "{directory}" && {before} && "$@"; '
+        "code=$?; "
         f'find . -mindepth 1 | sort > "{directory}.left"; exit $code'
     )
     return Run(
@@ -313,8 +320,9 @@ def with_full_disk(directory, command, before=":"):
 
 
 def bound_by_permissions(command, cwd=None):
-    """Start ``command`` (2 processes) so that file permissions bind it: under root, in a user namespace of its own,
-    where the real root's files are not its own and root's right to ignore permissions does not reach them."""
+    """Start ``command`` (2 processes) so that file permissions bind it: under root, in a user
+    namespace of its own, where the real root's files are not its own and root's right to ignore
+    permissions does not reach them."""
     command = [str(part) for part in command]
     return Run(
         command if os.geteuid() else ["unshare", "--user", *command],
@@ -378,7 +386,8 @@ def test_a_full_disk_is_one_line_that_names_the_path_and_the_space(mnist_dir, tm
                 "error: checkpoint step-10 was not written to ck (the disk is full: "
             )
             assert line.endswith(
-                "the ones saved before it are intact; fix that, and the same command resumes from them"
+                "the ones saved before it are intact; fix that, and the same command resumes from "
+                "them"
             )
             assert left.split() == ["./ck"], left  # no .tmp-step-10 left behind
 
@@ -429,8 +438,8 @@ def test_a_checkpoint_directory_made_read_only_mid_run_is_one_line(mnist_dir, tm
 
 
 def test_a_warmup_longer_than_half_the_run_is_refused_and_the_default_one_is_shortened():
-    # Refused where the run's length is known (training.Plan, after the data): one line on rank 0, as any
-    # UsageError found after init_process_group (batch-over-shard above).
+    # Refused where the run's length is known (training.Plan, after the data): one line on rank
+    # 0, as any UsageError found after init_process_group (batch-over-shard above).
     args = training.parser("test").parse_args(["--warmup-steps", "17"])
     with pytest.raises(failures.UsageError) as refused:
         training.peak_and_warmup(args, 64, total_steps=32)
@@ -443,7 +452,8 @@ def test_a_warmup_longer_than_half_the_run_is_refused_and_the_default_one_is_sho
     )  # a one-step run: 0 is the only warmup it takes
     with pytest.raises(failures.UsageError, match=r"1 steps: .*; give at most 0$"):
         training.peak_and_warmup(args, 64, total_steps=1)
-    # The default: 100 steps, or a fifth of a shorter run; the lr reaches the peak when the warmup ends.
+    # The default: 100 steps, or a fifth of a shorter run; the lr reaches the peak when the warmup
+    # ends.
     default = training.parser("test").parse_args(["--lr-schedule", "constant", "--epochs", "1"])
     for total_steps, warmup in ((32, 6), (499, 99), (5000, 100)):
         plan = training.Plan(default, 64 * total_steps, 1, "test")  # one rank, batch 64

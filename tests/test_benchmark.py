@@ -1,8 +1,9 @@
-"""The benchmark at its smallest size: every figure present and sane, the plot written; what it says when a
-configuration fails, and what it leaves behind.
+"""The benchmark at its smallest size: every figure present and sane, the plot written; what it says
+when a configuration fails, and what it leaves behind.
 
-The benchmark's runs are the scripts the other files test, measured: these tests are marked slow (minutes of
-launches) and left out of the default run, and pages (their figures are quoted): CI runs them with `-m pages`."""
+The benchmark's runs are the scripts the other files test, measured: these tests are marked slow
+(minutes of launches) and left out of the default run, and pages (their figures are quoted): CI runs
+them with `-m pages`."""
 
 import json
 import math
@@ -170,8 +171,8 @@ def test_a_failing_configuration_says_its_own_error_and_leaves_no_scratch_direct
     assert not (tmp_path / "out" / "results.json").exists()
 
 
-# torchrun ends a failed run's stderr with its own traceback and a ChildFailedError block, over 2,000
-# characters that name no cause; the failing rank's error comes before them.
+# torchrun ends a failed run's stderr with its own traceback and a ChildFailedError block, over
+# 2,000 characters that name no cause; the failing rank's error comes before them.
 TORCHRUN_SUMMARY = ("ChildFailedError", "=" * 60, "Root Cause", "torch/distributed/run.py")
 
 
@@ -221,7 +222,8 @@ if dist.get_rank() == 1:
 try:
     dist.barrier()  # fails once rank 1 is gone: a later traceback, of no interest
 except RuntimeError:
-    sys.excepthook(*sys.exc_info())  # printed as an uncaught one would be, while this rank stays alive
+    # printed as an uncaught one would be, while this rank stays alive
+    sys.excepthook(*sys.exc_info())
     time.sleep(60)  # until torchrun, having seen rank 1 fail first, stops it
 """)
     message = failure_message(

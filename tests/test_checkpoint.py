@@ -51,14 +51,16 @@ SCRIPTS = {  # name: (launcher, script, flags)
 }
 
 
-# FSDP's uninterrupted run recomputes activations: every run compared with it (the killed one, each resume of its
-# checkpoints) goes without, so --activation-checkpointing must change no bit and no parameter name.
+# FSDP's uninterrupted run recomputes activations: every run compared with it (the killed one, each
+# resume of its checkpoints) goes without, so --activation-checkpointing must change no bit and no
+# parameter name.
 RECOMPUTE = {"fsdp": ["--activation-checkpointing"]}
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(mnist_dir, tmp_path_factory):
-    """uninterrupted(name): directory of a 2-rank run of that script, never stopped: final.pt and ck/."""
+    """uninterrupted(name): directory of a 2-rank run of that script, never stopped: final.pt and
+    ck/."""
     done = {}
 
     def get(name):
@@ -90,10 +92,11 @@ def uninterrupted(mnist_dir, tmp_path_factory):
     return get
 
 
-# DDP's resume is the stopped job's below; torchrun's restart is the same for the three scripts. FSDP's killed run
-# reads its batches through a DataLoader with 2 workers per rank (--workers 2), as a Dataset of your own is read, and
-# is killed halfway through its first epoch: after the restart it must read on with the very samples, in the order,
-# that the uninterrupted run (on-device batches) read. (name: flags, the checkpoint to wait for before the kill.)
+# DDP's resume is the stopped job's below; torchrun's restart is the same for the three scripts.
+# FSDP's killed run reads its batches through a DataLoader with 2 workers per rank (--workers 2), as
+# a Dataset of your own is read, and is killed halfway through its first epoch: after the restart it
+# must read on with the very samples, in the order, that the uninterrupted run (on-device batches)
+# read. (name: flags, the checkpoint to wait for before the kill.)
 KILLED = {"fsdp": (["--workers", "2"], "step-10"), "pippy": ([], "step-20"), "tp": ([], "step-20")}
 
 
@@ -131,7 +134,8 @@ def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_interrupted(
         )
         == 0
     )
-    # --log-dir's rows go on where the checkpoint was: each logging step and evaluation once, with the same numbers
+    # --log-dir's rows go on where the checkpoint was: each logging step and evaluation once, with
+    # the same numbers
     rows, never_stopped = (
         metrics_rows(directory / "log" / "metrics.csv")
         for directory in (tmp_path, uninterrupted(name))
@@ -139,7 +143,8 @@ def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_never_interrupted(
     assert rows == never_stopped and any(row["test_loss"] for row in rows), rows
     steps = [int(row["step"]) for row in rows if row["train_loss"]]
     assert steps == sorted(set(steps)) and steps[-1] == 40, steps
-    # and TensorBoard's events: the resumed run's purge those after its checkpoint, so each step is read once
+    # and TensorBoard's events: the resumed run's purge those after its checkpoint, so each step is
+    # read once
     events = EventAccumulator(str(tmp_path / "log"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train_loss")] == [
@@ -176,7 +181,8 @@ def test_a_stopped_job_resumes_with_the_same_command(uninterrupted, mnist_dir, t
         first.process.pid, signal.SIGKILL
     )  # torchrun alone, as the OOM killer or a scheduler's hard kill would
     first.wait()
-    # The workers die with their launcher instead of training on (orphans would finish in seconds, and save).
+    # The workers die with their launcher instead of training on (orphans would finish in seconds,
+    # and save).
     deadline = time.monotonic() + 5
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -195,8 +201,8 @@ def test_a_stopped_job_resumes_with_the_same_command(uninterrupted, mnist_dir, t
 
 def test_every_rank_saves_the_random_state_of_each_generator_it_uses(uninterrupted):
     step = uninterrupted("ddp") / "ck" / "step-40"
-    # The suite trains on CPUs; on GPUs "cuda" joins "cpu" (tests/test_gpu.py checks that). They are restored
-    # on the same device type at the same world size (random states are per rank).
+    # The suite trains on CPUs; on GPUs "cuda" joins "cpu" (tests/test_gpu.py checks that). They are
+    # restored on the same device type at the same world size (random states are per rank).
     assert json.loads((step / "checkpoint.json").read_text())["layout"]["device"] == "cpu"
     saved = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
     assert {key for key in saved if key.startswith("rng.")} == {"rng.rank0.cpu", "rng.rank1.cpu"}
@@ -310,9 +316,10 @@ def test_checkpoints_reshard_across_strategies(
 
 
 def assert_each_rank_holds_its_rows(metrics, weights):
-    """FSDP2 shards each parameter by rows, as torch.chunk does (BabyCNN's 10-row classifier: 3/3/3/1 on 4 ranks):
-    after the evaluation a rank holds exactly its rows of the weights and of SGD's momentum, 4 bytes each (no
-    gradients: resumed at its last step, the run trained none). A block still gathered would add its full size."""
+    """FSDP2 shards each parameter by rows, as torch.chunk does (BabyCNN's 10-row classifier:
+    3/3/3/1 on 4 ranks): after the evaluation a rank holds exactly its rows of the weights and of
+    SGD's momentum, 4 bytes each (no gradients: resumed at its last step, the run trained none). A
+    block still gathered would add its full size."""
     ranks = len(metrics["ranks"])
     elements = [0] * ranks
     for w in weights.values():
@@ -376,13 +383,15 @@ def test_resume_from_an_older_checkpoint_ends_as_the_uninterrupted_run(
         )
         == 0
     )
-    # The newer step-40 moved aside, never resumed from again; this branch's own step-40 in its place
+    # The newer step-40 moved aside, never resumed from again; this branch's own step-40 in its
+    # place
     assert (
         f"--resume-from {checkpoints}/step-30: the newer step-40 moved aside to abandoned-step-<N>"
         in run.output
     )
     assert sorted(os.listdir(checkpoints)) == ["abandoned-step-40", "step-30", "step-40"]
-    # The same command again (a requeued job keeps its flags): it goes on from its branch, not back to step 30
+    # The same command again (a requeued job keeps its flags): it goes on from its branch, not back
+    # to step 30
     again = succeeded(
         torchrun(
             "train_ddp.py",
@@ -413,7 +422,8 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_newest_intact_one_resumes(
         1024
     )  # 1 KiB overwritten in place, the size unchanged: DCP alone would load it
     data_file.write_bytes(damaged)
-    # 2 ranks (rank 0 checks the files); 2 x 24 is another global batch than the saved 32, mid-epoch.
+    # 2 ranks (rank 0 checks the files); 2 x 24 is another global batch than the saved 32,
+    # mid-epoch.
     run = succeeded(
         torchrun(
             "train_ddp.py",
@@ -430,15 +440,16 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_newest_intact_one_resumes(
     )
     aside = checkpoints / "damaged-step-40"
     assert (
-        f"checkpoint {checkpoints}/step-40 is damaged ({data_file.name} does not match its SHA-256 in "
+        f"checkpoint {checkpoints}/step-40 is damaged ({data_file.name} does not match its SHA-256 "
+        "in "
         f"checkpoint.json): moved it to {aside}"
     ) in run.output
     assert (aside / data_file.name).read_bytes() == damaged  # set aside as it was, never deleted
     assert f"resumed from {checkpoints}/step-30 (step 30, epoch 2)" in run.output
     # step 30 ended sample 320 of epoch 2; at global batch 48 the steps start at 0, 48, ..., 288
     assert (
-        "the global batch changed from 32 to 48: epoch 2 continues at sample 288, not 320, so 32 samples"
-        in run.output
+        "the global batch changed from 32 to 48: epoch 2 continues at sample 288, not 320, so 32 "
+        "samples" in run.output
     )
     assert (
         checkpoints / "step-40" / "checkpoint.json"
@@ -456,21 +467,25 @@ def test_bad_checkpoints_are_one_line_errors(uninterrupted, mnist_dir, tmp_path)
     broken = copy_checkpoints(uninterrupted("ddp"), tmp_path / "broken")
     (broken / "step-40" / ".metadata").unlink()
     (broken / "step-30" / "checkpoint.json").write_text("{not json")
-    cases = [  # (processes, script, flags, message): started together, they fail while loading; one process
+    # (processes, script, flags, message): started together, they fail while loading; one process
+    cases = [
         # where the world size does not matter
         (
             1,
             "train_ddp.py",
             ["--checkpoint-dir", broken],
-            f"no intact checkpoint in {broken}: step-40: .metadata: No such file or directory; step-30: checkpoint.json "
+            f"no intact checkpoint in {broken}: step-40: .metadata: No such file or directory; "
+            "step-30: checkpoint.json "
             "is unreadable: Expecting property name",
         ),
         (
             1,
             "train_ddp.py",
             ["--checkpoint-dir", intact, "--width", "2"],
-            f"checkpoint {intact}/step-40 does not load into this run (Size mismatch between saved torch.Size([8, 1, 3, "
-            "3]) and current: torch.Size([16, 1, 3, 3]) for model.blocks.0.conv1.weight): another model's? use another "
+            f"checkpoint {intact}/step-40 does not load into this run (Size mismatch between saved "
+            "torch.Size([8, 1, 3, "
+            "3]) and current: torch.Size([16, 1, 3, 3]) for model.blocks.0.conv1.weight): another "
+            "model's? use another "
             "--checkpoint-dir",
         ),
         (
@@ -483,7 +498,8 @@ def test_bad_checkpoints_are_one_line_errors(uninterrupted, mnist_dir, tmp_path)
             1,
             "train_ddp.py",
             ["--checkpoint-dir", intact, "--resume-from", "step-20"],
-            f"--resume-from step-20 is not an intact checkpoint (checkpoint.json is unreadable: [Errno 2] "
+            "--resume-from step-20 is not an intact checkpoint (checkpoint.json is unreadable: "
+            "[Errno 2] "
             f"No such file or directory: '{intact}/step-20/checkpoint.json')",
         ),
     ]

@@ -1,9 +1,10 @@
-"""Beyond one node: slurm/train.sbatch and k8s/ run here as far as one machine allows, and stops on signals.
+"""Beyond one node: slurm/train.sbatch and k8s/ run here as far as one machine allows, and stops on
+signals.
 
-SLURM's srun and scontrol are stand-ins (tests/stand_ins/) that start each "node" on this machine; the
-PyTorchJob's container command runs as two "pods" with the variables the Training Operator would set. Each
-run is stopped by a real signal mid-run, as the scheduler would send it, and run again: it must resume and end
-with the weights of a run never stopped, on one node.
+SLURM's srun and scontrol are stand-ins (tests/stand_ins/) that start each "node" on this machine;
+the PyTorchJob's container command runs as two "pods" with the variables the Training Operator would
+set. Each run is stopped by a real signal mid-run, as the scheduler would send it, and run again: it
+must resume and end with the weights of a run never stopped, on one node.
 """
 
 import os
@@ -53,7 +54,8 @@ STOPPED = re.compile(
 
 @pytest.fixture(scope="module")
 def last_step_stop(mnist_dir, tmp_path_factory):
-    """run_ddp.sh on one node, 2 processes, sent SIGTERM once it logged its last step: (command, run, directory)."""
+    """run_ddp.sh on one node, 2 processes, sent SIGTERM once it logged its last step: (command,
+    run, directory)."""
     directory = tmp_path_factory.mktemp("last-step-stop")
     job = [
         "bash",
@@ -75,15 +77,16 @@ def last_step_stop(mnist_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def never_stopped(last_step_stop):
-    """Final weights of train_ddp.py on one node, 2 processes, never stopped before its end: the run above (a signal
-    after the last step lets it finish; the test below checks that)."""
+    """Final weights of train_ddp.py on one node, 2 processes, never stopped before its end: the run
+    above (a signal after the last step lets it finish; the test below checks that)."""
     _, run, directory = last_step_stop
     assert run.returncode == 0, run.output[-3000:]
     return load_weights(directory / "final.pt")
 
 
 def assert_stopped(run, signal_name, checkpoint_dir):
-    """The run stopped on ``signal_name`` mid-run, with its exit code, at a checkpoint every rank wrote."""
+    """The run stopped on ``signal_name`` mid-run, with its exit code, at a checkpoint every rank
+    wrote."""
     assert run.returncode == 128 + signal.Signals[signal_name], (
         f"exit code {run.returncode}:\n{run.output[-3000:]}"
     )
@@ -104,8 +107,8 @@ def test_slurm_two_nodes_stop_before_the_time_limit_requeue_and_end_like_one_nod
 ):
     requeued, srun_options = tmp_path / "scontrol.log", tmp_path / "srun.log"
     env = launcher_env(
-        # What SLURM sets in the batch script of a 2-node job (the hosts: both this machine), the CPUs from
-        # its #SBATCH --cpus-per-task.
+        # What SLURM sets in the batch script of a 2-node job (the hosts: both this machine), the
+        # CPUs from its #SBATCH --cpus-per-task.
         SLURM_JOB_ID=4242,
         SLURM_JOB_NAME="babycnn",
         SLURM_JOB_NUM_NODES=2,
@@ -130,8 +133,8 @@ def test_slurm_two_nodes_stop_before_the_time_limit_requeue_and_end_like_one_nod
     ]
     first = Run(job, env=env)
     wait_for(tmp_path / "ck" / "step-10", first)
-    # --signal=USR1@180: SLURM signals every process of the job's steps (each node's torchrun and workers),
-    # not srun nor the batch script.
+    # --signal=USR1@180: SLURM signals every process of the job's steps (each node's torchrun and
+    # workers), not srun nor the batch script.
     srun = next(
         pid for pid in descendants(first.process.pid) if b"stand_ins/srun" in _command_line(pid)
     )
@@ -151,7 +154,8 @@ def test_slurm_two_nodes_stop_before_the_time_limit_requeue_and_end_like_one_nod
     assert "2 node(s), node 0 127.0.0.1" in second.output and "DDP on 2 rank(s)" in second.output
     assert requeued.read_text() == "requeue 4242\n"  # a job that finished is not requeued
     assert max_difference(load_weights(tmp_path / "final.pt"), never_stopped) == 0
-    # Each job's srun asks for the job's CPUs per task: since Slurm 22.05 it does not inherit them from #SBATCH.
+    # Each job's srun asks for the job's CPUs per task: since Slurm 22.05 it does not inherit them
+    # from #SBATCH.
     assert srun_options.read_text() == "--cpus-per-task=32\n" * 2
 
 
@@ -165,7 +169,8 @@ def test_slurm_two_nodes_stop_before_the_time_limit_requeue_and_end_like_one_nod
         ),
         (
             "fsdp",
-            "error: SLURM_JOB_ID is not set: submit this with sbatch (sbatch slurm/train.sbatch fsdp ...), "
+            "error: SLURM_JOB_ID is not set: submit this with sbatch (sbatch slurm/train.sbatch "
+            "fsdp ...), "
             "or on one machine use bash run_fsdp.sh",
         ),
     ],
@@ -181,8 +186,9 @@ def test_the_batch_script_refuses_in_one_line(strategy, error):
 def test_a_stop_after_the_last_step_leaves_a_finished_run_that_a_requeued_job_finds_done(
     last_step_stop, never_stopped
 ):
-    # A scheduler's signal may come while the run evaluates and saves: it finishes, writes the last step's checkpoint
-    # and exits 0, so SLURM does not requeue it; a job run again all the same only loads that checkpoint and saves.
+    # A scheduler's signal may come while the run evaluates and saves: it finishes, writes the last
+    # step's checkpoint and exits 0, so SLURM does not requeue it; a job run again all the same only
+    # loads that checkpoint and saves.
     job, first, directory = last_step_stop
     assert first.returncode == 0, first.output[-3000:]
     assert sorted(p.name for p in (directory / "ck").iterdir()) == [
@@ -196,7 +202,8 @@ def test_a_stop_after_the_last_step_leaves_a_finished_run_that_a_requeued_job_fi
     assert max_difference(load_weights(directory / "final.pt"), never_stopped) == 0
 
 
-# ---- Kubernetes ----------------------------------------------------------------------------------------------
+# ---- Kubernetes
+# ----------------------------------------------------------------------------------------------
 
 MANIFEST = ROOT / "k8s" / "pytorchjob.yaml"
 
@@ -214,7 +221,8 @@ def test_the_pytorchjob_is_what_the_training_operator_needs():
     assert elastic["rdzvBackend"] == "c10d"
     assert 1 <= elastic["minReplicas"] <= worker["replicas"] <= elastic["maxReplicas"]
     assert elastic["maxRestarts"] >= 1
-    # ExitCode: 128-255 (a signal) restarts the pod, 1-127 fails it; our stop codes and usage errors fall on each side.
+    # ExitCode: 128-255 (a signal) restarts the pod, 1-127 fails it; our stop codes and usage errors
+    # fall on each side.
     assert worker["restartPolicy"] == "ExitCode"
     pod = worker["template"]["spec"]
     assert (
@@ -248,7 +256,8 @@ def test_the_pytorchjob_is_what_the_training_operator_needs():
 
 
 def image_workdir(tmp_path):
-    """The files k8s/Dockerfile copies into its WORKDIR, copied the same way into a directory here."""
+    """The files k8s/Dockerfile copies into its WORKDIR, copied the same way into a directory
+    here."""
     workdir = tmp_path / "image"
     workdir.mkdir()
     lines = (ROOT / "k8s" / "Dockerfile").read_text().splitlines()
@@ -261,7 +270,9 @@ def image_workdir(tmp_path):
             for source in sources:
                 if source.endswith("/"):  # a directory: its contents into the destination directory
                     shutil.copytree(ROOT / source, workdir / destination)
-                else:  # a file: into the destination directory ("./", "models/") or onto the path given
+                else:
+                    # a file: into the destination directory ("./", "models/") or onto the path
+                    # given
                     target = workdir / destination
                     target.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy(
@@ -280,7 +291,8 @@ def test_the_container_command_runs_as_two_elastic_pods_stops_on_sigterm_and_res
     workdir = image_workdir(tmp_path)
     shared = tmp_path / "shared"
     shared.mkdir()
-    # The manifest's command, its /shared paths on a directory here, then this test's short run (later flags win).
+    # The manifest's command, its /shared paths on a directory here, then this test's short run
+    # (later flags win).
     command = [word.replace("=/shared/", f"={shared}/") for word in container["command"]]
     command += [*mnist_args(mnist_dir), *RUN]
     port = free_port()
@@ -289,7 +301,8 @@ def test_the_container_command_runs_as_two_elastic_pods_stops_on_sigterm_and_res
         runs = []
         for _ in range(worker["replicas"]):
             env = launcher_env(
-                # What the operator sets in each pod of an elastic PyTorchJob (the first pod's service: this machine).
+                # What the operator sets in each pod of an elastic PyTorchJob (the first pod's
+                # service: this machine).
                 PET_RDZV_BACKEND=elastic["rdzvBackend"],
                 PET_RDZV_ENDPOINT=f"localhost:{port}",
                 PET_NNODES=f"{elastic['minReplicas']}:{elastic['maxReplicas']}",
@@ -327,10 +340,12 @@ def test_the_container_command_runs_as_two_elastic_pods_stops_on_sigterm_and_res
     assert max_difference(load_weights(shared / "babycnn-ddp.pt"), never_stopped) == 0
 
 
-# ---- Ctrl-C --------------------------------------------------------------------------------------------------
+# ---- Ctrl-C
+# --------------------------------------------------------------------------------------------------
 
 
-# DDP stops in the tests above; the other scripts' stops (every pipeline stage, every tp group must agree) here.
+# DDP stops in the tests above; the other scripts' stops (every pipeline stage, every tp group must
+# agree) here.
 @pytest.mark.parametrize(
     "launcher", ["run_fsdp.sh", "run_pippy.sh", pytest.param("run_tp.sh", marks=pytest.mark.slow)]
 )

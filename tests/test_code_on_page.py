@@ -1,8 +1,10 @@
-"""The snippets in docs/snippets/ do what the pages say (that the pages quote them as they are: test_docs.py).
+"""The snippets in docs/snippets/ do what the pages say (that the pages quote them as they are:
+test_docs.py).
 
-Each snippet runs under torchrun on 2 gloo processes, and its output is checked against what torch itself
-computes: the DataLoader's shards against a DistributedSampler, join()'s final weights against the
-same steps worked out in one process, GradScaler's skipped steps against its documented rule.
+Each snippet runs under torchrun on 2 gloo processes, and its output is checked against what torch
+itself computes: the DataLoader's shards against a DistributedSampler, join()'s final weights
+against the same steps worked out in one process, GradScaler's skipped steps against its documented
+rule.
 """
 
 import importlib.util
@@ -27,8 +29,8 @@ def json_lines(output):
 
 @pytest.fixture(scope="module", autouse=True)
 def no_join():
-    """join.py --no-join, started first: it spends most of its time waiting for its 10 s timeout, while the
-    other tests run; the last test reads how it ended."""
+    """join.py --no-join, started first: it spends most of its time waiting for its 10 s timeout,
+    while the other tests run; the last test reads how it ended."""
     run = torchrun("docs/snippets/join.py", 2, "--no-join")
     yield run
     run.kill()
@@ -66,8 +68,8 @@ def _snippet(name):
 
 
 def _join_by_hand(join, divisor):
-    """join.py's steps in one process: each step's gradient is the sum over the ranks that still have a
-    batch, divided by divisor(number of such ranks)."""
+    """join.py's steps in one process: each step's gradient is the sum over the ranks that still
+    have a batch, divided by divisor(number of such ranks)."""
     model = join.make_model()
     data = [join.batches(rank) for rank in range(2)]
     for step in range(max(map(len, data))):
@@ -115,7 +117,8 @@ def test_grad_scaler_skips_overflowing_steps_and_halves_the_scale_on_every_rank(
         records[0]["scale"] == 2.0**24 and not records[0]["stepped"]
     )  # 2**24 overflows float16 at once
     assert records[-1]["stepped"]
-    # DDP all-reduced the scaled gradients, so an overflow anywhere was one everywhere: the ranks agree.
+    # DDP all-reduced the scaled gradients, so an overflow anywhere was one everywhere: the ranks
+    # agree.
     assert [(r["scale"], r["stepped"]) for r in ranks[1]["records"]] == [
         (r["scale"], r["stepped"]) for r in records
     ]
@@ -123,8 +126,9 @@ def test_grad_scaler_skips_overflowing_steps_and_halves_the_scale_on_every_rank(
 
 
 def test_without_join_the_uneven_ranks_wait_until_the_timeout(no_join):
-    """Rank 1's fourth all-reduce has no partner, rank 0 waits in the collective after its loop: both wait until
-    the 10 s timeout. The first to time out fails; torchrun then stops the other, which may not get to say it."""
+    """Rank 1's fourth all-reduce has no partner, rank 0 waits in the collective after its loop:
+    both wait until the 10 s timeout. The first to time out fails; torchrun then stops the other,
+    which may not get to say it."""
     no_join.wait()
     assert no_join.returncode != 0, no_join.output[-3000:]
     # gloo's words: "Timed out waiting 10000ms for recv operation to complete" (or send)

@@ -1,4 +1,5 @@
-"""The collectives page and the tensor-parallelism page: their snippets, their benchmark and their tables.
+"""The collectives page and the tensor-parallelism page: their snippets, their benchmark and their
+tables.
 
 The two snippets run under torchrun on 2 gloo processes and their numbers are checked against what
 this process works out by itself: the four collectives' results from sums, tensor parallelism's
@@ -29,7 +30,8 @@ COLLECTIVES = ["broadcast", "all_reduce", "reduce_scatter", "all_gather", "send_
 
 @pytest.fixture(scope="module")
 def runs():
-    """The two snippets, launched at once (each spends most of its time importing torch): their outputs."""
+    """The two snippets, launched at once (each spends most of its time importing torch): their
+    outputs."""
     started = {
         "snippet": torchrun("docs/snippets/allreduce_is_rs_ag.py", 2),
         "tensor_parallel": torchrun("docs/snippets/tensor_parallel.py", 2),
@@ -43,7 +45,8 @@ def json_line(output):
 
 
 def table(page, header_start):
-    """The rows (lists of cell strings) of the Markdown table whose header line starts with header_start."""
+    """The rows (lists of cell strings) of the Markdown table whose header line starts with
+    header_start."""
     lines = page.read_text().splitlines()
     (first,) = [i for i, line in enumerate(lines) if line.startswith(header_start)]
     rows = []
@@ -125,8 +128,9 @@ def check_report(report, world_sizes, largest):
             else:
                 assert sizes == every, (name, sizes)
             assert all(t > 0 for _, t in fitted["points"])
-            # The fit, redone from its rule: α the median time up to 64 KiB, β the median of (t − α) / n from 4 MiB.
-            # Not β's sign: under load a small message can take as long as a large one (seen in CI).
+            # The fit, redone from its rule: α the median time up to 64 KiB, β the median of (t − α)
+            # / n from 4 MiB. Not β's sign: under load a small message can take as long as a large
+            # one (seen in CI).
             alpha, beta = page_rule(fitted["points"])
             assert math.isclose(fitted["alpha_s"], alpha, rel_tol=1e-9), (w, name, fitted, alpha)
             assert math.isclose(fitted["beta_s_per_byte"], beta, rel_tol=1e-9), (
@@ -135,8 +139,9 @@ def check_report(report, world_sizes, largest):
                 fitted,
                 beta,
             )
-            # The latency amortized: seconds per byte fall by orders of magnitude from the smallest message to
-            # the largest (by 4 to 6 here; a failure needs the largest to cost 1e4 x the smallest's time).
+            # The latency amortized: seconds per byte fall by orders of magnitude from the smallest
+            # message to the largest (by 4 to 6 here; a failure needs the largest to cost 1e4 x the
+            # smallest's time).
             (n0, t0), (n1, t1) = fitted["points"][0], fitted["points"][-1]
             assert t1 / n1 < t0 / n0 / 100, (w, name, fitted["points"])
         model = entry["collectives"]["all_reduce"]["ring_model"]
@@ -153,13 +158,15 @@ SMALL, LARGE = (
 
 
 def page_rule(points):
-    """The fit as the page states it; the quick run has no point from 4 MiB but its largest, 4 MiB itself."""
+    """The fit as the page states it; the quick run has no point from 4 MiB but its largest, 4 MiB
+    itself."""
     alpha = statistics.median(t for n, t in points if n <= SMALL)
     return alpha, statistics.median((t - alpha) / n for n, t in points if n >= LARGE)
 
 
 def weighted_fit(points):
-    """The fit the page used before: least squares on the relative error, that is each residual weighted by 1/t."""
+    """The fit the page used before: least squares on the relative error, that is each residual
+    weighted by 1/t."""
     rows = torch.tensor([[1 / t, n / t] for n, t in points], dtype=torch.float64)
     solution = torch.linalg.lstsq(
         rows, torch.ones(len(points), 1, dtype=torch.float64)
@@ -168,8 +175,9 @@ def weighted_fit(points):
 
 
 def off_its_points(points, alpha, beta):
-    """Where the line α + n·β misses the points it was fitted to, unweighted and relative to the times: the median
-    of (line − t) / t over the flat part and over the straight part, and α against the flat part's range."""
+    """Where the line α + n·β misses the points it was fitted to, unweighted and relative to the
+    times: the median of (line − t) / t over the flat part and over the straight part, and α against
+    the flat part's range."""
     misses = []
     for part in (
         [(n, t) for n, t in points if n <= SMALL],
@@ -197,8 +205,9 @@ def test_the_fitted_lines_sit_among_their_points():
                 (where, miss)
                 for miss in off_its_points(fitted["points"], *weighted_fit(fitted["points"]))
             ]
-    # The control: the 1/t²-weighted fit on the same points falls below the all-reduce's flat part on 4 ranks
-    # (α 1.58 ms, points 4.4 to 5.4 ms from 64 B to 1 MiB): its odd 4-byte point (0.82 ms) drags the line down.
+    # The control: the 1/t²-weighted fit on the same points falls below the all-reduce's flat part
+    # on 4 ranks (α 1.58 ms, points 4.4 to 5.4 ms from 64 B to 1 MiB): its odd 4-byte point (0.82
+    # ms) drags the line down.
     assert [where for where, _ in before] == [(2, "all_reduce"), (4, "all_reduce")], before
     assert "median miss -6" in dict(before)[(4, "all_reduce")], before
 
@@ -330,8 +339,8 @@ def test_the_memory_formulas_match_the_measured_bytes_per_rank():
         ), run
         assert shown_ratio == f"{bytes_ / predicted[run]:.4f}"
         assert abs(bytes_ / predicted[run] - 1) < 0.01, run
-    # The tolerance is far below the difference between layouts: each measurement is 2x or more away from the
-    # formula of any layout with another divisor.
+    # The tolerance is far below the difference between layouts: each measurement is 2x or more away
+    # from the formula of any layout with another divisor.
     for run, row in state.items():
         for other, value in predicted.items():
             if value != predicted[run]:

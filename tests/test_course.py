@@ -1,14 +1,15 @@
-"""The course reads in order: a glossary, every term linked where a page first uses it, a short first page,
-and the claims of the pages that are not about one strategy (the flight recorder; bf16 in the pipeline: test_pippy.py).
+"""The course reads in order: a glossary, every term linked where a page first uses it, a short
+first page, and the claims of the pages that are not about one strategy (the flight recorder; bf16
+in the pipeline: test_pippy.py).
 
-The first-use rule, as checked here. docs/glossary.md has one `### term` entry per term; TERMS below gives
-each entry the words that count as a use of it. On each page (README.md and docs/*.md but the glossary),
-the first use of each term must sit in the text of a link to its glossary entry or to the page that
-teaches it (the page an entry's own links lead to, such as concepts.md for "rank"), or inside the section
-that teaches it, on that page. What is not reading text is left out: code blocks, HTML comments, images,
-headings, and the navigation lines (the breadcrumb at the top, the contents list of in-page links,
-"Next: ..."). Inline code counts, so `DistributedSampler` and `no_sync()` are uses. A use is matched
-without regard to case (the exceptions say (?-i:...)), across line breaks.
+The first-use rule, as checked here. docs/glossary.md has one `### term` entry per term; TERMS below
+gives each entry the words that count as a use of it. On each page (README.md and docs/*.md but the
+glossary), the first use of each term must sit in the text of a link to its glossary entry or to the
+page that teaches it (the page an entry's own links lead to, such as concepts.md for "rank"), or
+inside the section that teaches it, on that page. What is not reading text is left out: code blocks,
+HTML comments, images, headings, and the navigation lines (the breadcrumb at the top, the contents
+list of in-page links, "Next: ..."). Inline code counts, so `DistributedSampler` and `no_sync()` are
+uses. A use is matched without regard to case (the exceptions say (?-i:...)), across line breaks.
 """
 
 import json
@@ -21,7 +22,8 @@ from test_docs import anchors, blocks, prose_lines
 GLOSSARY = ROOT / "docs" / "glossary.md"
 PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p != GLOSSARY)]
 
-# glossary anchor: what counts as a use of the term (a regex; a space matches any run of white space)
+# glossary anchor: what counts as a use of the term (a regex; a space matches any run of white
+# space)
 TERMS = {
     "activation-checkpointing": r"\bactivation[- ]checkpointing\b",
     "all-gather": r"\ball[-_ ]gather(s|ed|ing)?\b",
@@ -65,7 +67,8 @@ TERMS = {
     "reduce-scatter": r"\breduce[-_ ]scatter(s|ed|ing)?\b",
     "rendezvous": r"\brendezvous\b",
     "replica": r"\breplicas?\b",
-    "schedule": r"\bschedule\.step\b|--schedule\b|\bpipeline schedules?\b|\bschedules?(?= \((GPipe|1F1B))",
+    "schedule": r"\bschedule\.step\b|--schedule\b|\bpipeline schedules?\b|\bschedules?(?= "
+    r"\((GPipe|1F1B))",
     "shard": r"\bshards?\b",
     "stage": r"\bstages?\b",
     "store": r"\bTCPStore\b|\bHashStore\b|\b(key-value|rendezvous|shared) store\b",
@@ -103,18 +106,20 @@ def resolve(page, target):
 
 
 def teaching(entry):
-    """The files an entry's links lead to, other than the glossary: the pages that teach the term."""
+    """The files an entry's links lead to, other than the glossary: the pages that teach the
+    term."""
     return {
         file for file, _ in (resolve(GLOSSARY, t) for t in entry[1]) if file != GLOSSARY.resolve()
     }
 
 
 def reading_text(page):
-    """(visible text, [(start, end, target)] of the link texts in it, {heading anchor: (start, end)} of sections).
+    """(visible text, [(start, end, target)] of the link texts in it, {heading anchor: (start, end)}
+    of sections).
 
-    The page's prose as a reader reads it, as one string as long as the file, so that an offset in it is
-    one in the file: code blocks, comments, images, headings and navigation lines blanked; each link's
-    markup but its text blanked; backticks blanked."""
+    The page's prose as a reader reads it, as one string as long as the file, so that an offset in
+    it is one in the file: code blocks, comments, images, headings and navigation lines blanked;
+    each link's markup but its text blanked; backticks blanked."""
     raw = page.read_text().splitlines()
     code = {n for first, _, block in blocks(page) for n in range(first - 1, first + len(block) + 1)}
     lines = [" " * len(line) if n in code else line for n, line in enumerate(raw, 1)]
@@ -224,8 +229,8 @@ def test_every_glossary_entry_links_to_the_section_that_teaches_it():
 
 
 def test_the_rule_finds_an_unlinked_term(tmp_path):
-    """The negative control of the test below: a page that uses terms without links fails it, one that
-    links them passes."""
+    """The negative control of the test below: a page that uses terms without links fails it, one
+    that links them passes."""
     entries = glossary_entries()
     bare = tmp_path / "bare.md"
     bare.write_text("# A page\n\nEach rank joins the process group.\n")
@@ -235,7 +240,8 @@ def test_the_rule_finds_an_unlinked_term(tmp_path):
     linked = tmp_path / "linked.md"
     linked.write_text(
         f"# A page\n\n[README]({docs}/../README.md) → **here**\n\n- [A page](#a-page)\n\n"
-        f"Each [rank]({docs}/glossary.md#rank) joins the\n[process group]({docs}/concepts.md#rank).\n"
+        f"Each [rank]({docs}/glossary.md#rank) joins the\n[process "
+        f"group]({docs}/concepts.md#rank).\n"
         "```bash\nworld size in code does not count\n```\n"
     )
     assert first_use_problems(linked, entries) == []
@@ -258,9 +264,9 @@ NOT_LESSONS = {"glossary.md", "reference.md", "measurements.md"}  # looked up, n
 
 
 def prose_sentences(text):
-    """The sentences of a page's prose, counted as ../shared/tools/prose_stats.py counts them: code blocks,
-    tables, headings, HTML and images left out; inline code one word; a sentence ends at . ! or ? and a
-    space; fragments under 3 words are not sentences."""
+    """The sentences of a page's prose, counted as ../shared/tools/prose_stats.py counts them: code
+    blocks, tables, headings, HTML and images left out; inline code one word; a sentence ends at . !
+    or ? and a space; fragments under 3 words are not sentences."""
     kept, fence = [], False
     for line in text.splitlines():
         if line.lstrip().startswith("```"):
@@ -274,8 +280,8 @@ def prose_sentences(text):
 
 
 def test_the_lessons_are_an_evening_of_reading():
-    """At most 18,000 words in all (code and tables included), no page over 3,500, and sentences of at most
-    22 words on average: the course is read beside the code, not instead of it."""
+    """At most 18,000 words in all (code and tables included), no page over 3,500, and sentences of
+    at most 22 words on average: the course is read beside the code, not instead of it."""
     lessons = [p for p in sorted((ROOT / "docs").glob("*.md")) if p.name not in NOT_LESSONS]
     words = {p.name: len(p.read_text().split()) for p in lessons}
     assert sum(words.values()) <= 18_000, f"the lessons have {sum(words.values()):,} words: {words}"
@@ -288,7 +294,10 @@ def test_the_lessons_are_an_evening_of_reading():
 
 def test_the_sentence_count_follows_the_rule():
     """The rule above, on a page made for it: a table, code and a heading are not sentences."""
-    page = "# Title here now\n\n| a b c | d |\n```\nx = 1. y = 2. z\n```\nOne two three. Four `f(a. b)` six seven.\n"
+    page = (
+        "# Title here now\n\n| a b c | d |\n```\nx = 1. y = 2. z\n```\n"
+        "One two three. Four `f(a. b)` six seven.\n"
+    )
     assert [len(s.split()) for s in prose_sentences(page)] == [3, 4]
 
 
@@ -296,8 +305,8 @@ def test_the_sentence_count_follows_the_rule():
 
 
 def test_the_flight_recorder_shows_which_rank_stopped_where():
-    """docs/checkpoints.md: in docs/snippets/flight_recorder.py rank 1 skips the fourth all-reduce; each
-    rank's flight recorder shows how far it got, 4 on rank 0 and 3 on rank 1."""
+    """docs/checkpoints.md: in docs/snippets/flight_recorder.py rank 1 skips the fourth all-reduce;
+    each rank's flight recorder shows how far it got, 4 on rank 0 and 3 on rank 1."""
     run = succeeded(
         torchrun("docs/snippets/flight_recorder.py", 2, env=child_env(TORCH_FR_BUFFER_SIZE=2000))
     )

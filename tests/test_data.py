@@ -1,4 +1,5 @@
-"""The MNIST files that ship in models/mnist/: byte-identical to the originals, read offline by --dataset auto."""
+"""The MNIST files that ship in models/mnist/: byte-identical to the originals, read offline by
+--dataset auto."""
 
 import gzip
 import hashlib
@@ -73,7 +74,8 @@ def test_auto_trains_on_the_bundled_digits_with_no_network_and_no_data_dir(tmp_p
 
 @pytest.mark.parametrize("compressed", [True, False])
 def test_a_copy_of_the_original_files_reads_as_distributed_gzip_or_not(compressed, tmp_path):
-    # The four files alone in --data-dir, as the MNIST page distributes them (or gunzipped): no MNIST/raw/ layout.
+    # The four files alone in --data-dir, as the MNIST page distributes them (or gunzipped): no
+    # MNIST/raw/ layout.
     for name in data._IDX:
         if compressed:
             shutil.copy(BUNDLED / f"{name}.gz", tmp_path / f"{name}.gz")

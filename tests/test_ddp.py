@@ -49,7 +49,8 @@ def two_ranks(mnist_dir, tmp_path_factory):
 def test_saved_weights_load_into_a_plain_babycnn_and_moved_away_from_the_initial_ones(
     reference, reference_run, reference_metrics
 ):
-    # --max-grad-norm 1 clipped the steps the run logged (every layout's equivalence checks clipping too)
+    # --max-grad-norm 1 clipped the steps the run logged (every layout's equivalence checks clipping
+    # too)
     assert [step for step, _ in reference_metrics["grad_norms"]] == [8, 16, 20, 24]
     assert all(norm > 1.1 for _, norm in reference_metrics["grad_norms"]), reference_metrics[
         "grad_norms"
@@ -93,12 +94,13 @@ def test_gradient_accumulation_matches_one_process_at_twice_the_batch(
 
 @pytest.mark.slow  # a minute of compiling (pytest.ini)
 def test_the_compiled_model_does_the_same_math(reference, control, mnist_dir, tmp_path):
-    """--compile: the whole model compiled, then wrapped in DDP (whose graph dynamo would split at the gradient
-    buckets; this model fills one), on two ranks. On a CPU there are no CUDA graphs; the math is what is checked:
-    the same weights. (Compiled alone, on one process, it is the same compile call: one launch fewer. Without
-    evaluation: compiling it costs 17 of the launch's 40 s here; tests/test_gpu.py evaluates compiled runs.)"""
-    # A cache of its own: torch 2.14's inductor cache, filled under one ATEN_CPU_CAPABILITY, segfaults when read
-    # under another (seen with avx2 after AVX-512 runs on one machine).
+    """--compile: the whole model compiled, then wrapped in DDP (whose graph dynamo would split at
+    the gradient buckets; this model fills one), on two ranks. On a CPU there are no CUDA graphs;
+    the math is what is checked: the same weights. (Compiled alone, on one process, it is the same
+    compile call: one launch fewer. Without evaluation: compiling it costs 17 of the launch's 40 s
+    here; tests/test_gpu.py evaluates compiled runs.)"""
+    # A cache of its own: torch 2.14's inductor cache, filled under one ATEN_CPU_CAPABILITY,
+    # segfaults when read under another (seen with avx2 after AVX-512 runs on one machine).
     env = child_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     flags = [*mnist_args(mnist_dir), *EQUIVALENCE, "--compile", "--no-eval"]
     two = succeeded(
@@ -112,7 +114,8 @@ def test_the_compiled_model_does_the_same_math(reference, control, mnist_dir, tm
 
 def two_nodes(tmp_path, mnist_dir, with_data, *args, **extra_env):
     """Start run_ddp.sh as two "nodes" of one process each, each in its own directory, reading
-    --data-dir data there (no shared filesystem): node k gets a copy of the MNIST files if with_data[k]."""
+    --data-dir data there (no shared filesystem): node k gets a copy of the MNIST files if
+    with_data[k]."""
     port, runs = free_port(), []
     for node_rank in (0, 1):
         node_dir = tmp_path / f"node{node_rank}"
@@ -215,15 +218,16 @@ def test_short_run_learns_with_all_reduced_loss_and_metrics(mnist_dir, tmp_path)
     assert metrics["dataset"] == "mnist"
     assert metrics["world_size"] == 2 and metrics["global_batch_size"] == 64
     assert metrics["peak_lr"] == pytest.approx(2e-3)  # linear scaling rule: 1e-3 * 64 / 32
-    # 100 steps: the default warmup is a fifth of them, not 100 (which would leave the lr below its peak throughout)
+    # 100 steps: the default warmup is a fifth of them, not 100 (which would leave the lr below its
+    # peak throughout)
     assert "peak lr 0.002 after 20 warmup steps;" in run.output, run.output
     assert metrics["steps"] == 10 * (640 // 2 // 32)
     curve = [loss for _, loss, _ in metrics["loss_curve"]]
     assert curve[-1] < curve[0] / 3, curve
     assert metrics["test_accuracy"] > 0.7  # chance is 0.1
     assert metrics["samples_per_second"] > 0 and metrics["final_train_loss"] == curve[-1]
-    # Each curve point holds the training seconds so far, from which benchmarks/compare.py takes the steady
-    # state: from the first logging point past a tenth of the 100 steps (step 20) to the end.
+    # Each curve point holds the training seconds so far, from which benchmarks/compare.py takes the
+    # steady state: from the first logging point past a tenth of the 100 steps (step 20) to the end.
     seconds = [s for _, _, s in metrics["loss_curve"]]
     assert (
         0 < seconds[0] and seconds == sorted(seconds) and seconds[-1] <= metrics["train_seconds"]
@@ -235,9 +239,10 @@ def test_short_run_learns_with_all_reduced_loss_and_metrics(mnist_dir, tmp_path)
     for record in metrics["ranks"]:
         assert record["state_bytes"] == pytest.approx(4 * 4 * metrics["param_count"], rel=0.01)
         assert record["peak_memory_bytes"] > 0
-    # FLOPs counted on the real model (FlopCounterMode): BabyCNN's forward is 2,330,048 multiply-accumulates (the
-    # convolutions' weights x their 28x28, 14x14, 7x7 outputs, and the classifier), 2 FLOPs each; backward computes the
-    # weights' gradients (as many) and every input's but the image's (less the first convolution's 56,448 x 2).
+    # FLOPs counted on the real model (FlopCounterMode): BabyCNN's forward is 2,330,048
+    # multiply-accumulates (the convolutions' weights x their 28x28, 14x14, 7x7 outputs, and the
+    # classifier), 2 FLOPs each; backward computes the weights' gradients (as many) and every
+    # input's but the image's (less the first convolution's 56,448 x 2).
     forward = 2 * 2_330_048
     assert (
         metrics["flops_per_sample"] == 2 * forward + forward - 2 * 56_448 and metrics["mfu"] is None
@@ -246,11 +251,13 @@ def test_short_run_learns_with_all_reduced_loss_and_metrics(mnist_dir, tmp_path)
         metrics["flops_per_sample"] * metrics["samples_per_second"]
     )
     assert "; 13.9 MFLOPs a sample;" in run.output
-    # Only rank 0 talks, once per epoch, and the loss says it is all-reduced; in a pipe, in lines (no bar redrawn).
+    # Only rank 0 talks, once per epoch, and the loss says it is all-reduced; in a pipe, in lines
+    # (no bar redrawn).
     assert run.output.count("epoch 1:") == 1 and run.output.count("epoch 10:") == 1
     assert "\r" not in run.output and "step 100/100: loss (all ranks)" in run.output
-    # --log-dir: a CSV row per logging step, then per evaluation; --profile-steps 52:53: each rank's trace of two
-    # steps (no logging step, no epoch end), in which only DDP's bucket all-reduce runs: one a step (one bucket)
+    # --log-dir: a CSV row per logging step, then per evaluation; --profile-steps 52:53: each rank's
+    # trace of two steps (no logging step, no epoch end), in which only DDP's bucket all-reduce
+    # runs: one a step (one bucket)
     with open(tmp_path / "log" / "metrics.csv", newline="") as file:
         rows = list(csv.DictReader(file))
     assert [(int(r["step"]), float(r["train_loss"])) for r in rows if r["train_loss"]] == [
@@ -289,8 +296,9 @@ def test_bf16_autocast_trains(mnist_dir, tmp_path):
 
 
 def test_an_error_after_a_torchrun_restart_is_printed_with_its_attempt(mnist_dir):
-    # torchrun tells a restarted worker its attempt in TORCHELASTIC_RESTART_COUNT; a restart can fail where the
-    # first attempt did not, so every attempt says its error, and which attempt it was.
+    # torchrun tells a restarted worker its attempt in TORCHELASTIC_RESTART_COUNT; a restart can
+    # fail where the first attempt did not, so every attempt says its error, and which attempt it
+    # was.
     for flags in (
         ["--batch-size", "0"],
         ["--dataset", "mnist", "--no-download", "--data-dir", mnist_dir / "missing"],

@@ -161,7 +161,8 @@ class _Parsed(Exception):
 
 
 def parser_of(script):
-    """The argparse parser ``script`` builds, taken at its parse_args call; the script stops there."""
+    """The argparse parser ``script`` builds, taken at its parse_args call; the script stops
+    there."""
 
     def capture(self, args=None, namespace=None):
         raise _Parsed(self)
@@ -230,7 +231,8 @@ def test_commands_use_flags_the_scripts_accept(parsers):
             problems.append(f"{where}\n    {script} has no flag {', '.join(unknown)}")
             continue
         if any("$" in word for word in args):
-            continue  # a placeholder ($NODE_RANK) is a value argparse cannot judge; the flags were checked
+            # a placeholder ($NODE_RANK) is a value argparse cannot judge; the flags were checked
+            continue
         # The values too: choices, types, a flag missing its value. The scripts' parser prints its
         # own error line (and exits 2); --help prints help (and exits 0).
         out, err = io.StringIO(), io.StringIO()
@@ -267,7 +269,8 @@ def prose(page):
 
 
 def anchors(page):
-    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens, -1, -2 for repeats."""
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens, -1, -2 for
+    repeats."""
     seen, found = {}, set()
     for line in prose_lines(page):
         match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
@@ -302,7 +305,8 @@ DIFF_COUNT = re.compile(
 
 
 def test_the_diff_sizes_the_docs_quote_are_the_scripts_own():
-    """ "`diff train_ddp.py train_fsdp.py | grep -c '^[<>]'` counts N changed lines": N is what it counts now."""
+    """ "`diff train_ddp.py train_fsdp.py | grep -c '^[<>]'` counts N changed lines": N is what it
+    counts now."""
     quoted = [
         (page.name, *found)
         for page in PAGES

@@ -34,7 +34,8 @@ at least one.
 A run's --metrics, --log-dir, --checkpoint-dir and --out go to this test's temporary directory.
 
 The commands also parse with the scripts' own parsers (tests/test_docs.py). The runs are marked slow
-(pytest.ini): variations of what the other files launch, they check the pages' answers; CI runs them.
+(pytest.ini): variations of what the other files launch, they check the pages' answers; CI runs
+them.
 """
 
 import json
@@ -66,13 +67,15 @@ FORMS = [
     (
         "near",
         re.compile(
-            r"(?P<run>\S+\.json) (?P<key>\S+) ~ (?P<other>\S+\.json) (?P<other_key>\S+) within (?P<tol>\S+)$"
+            r"(?P<run>\S+\.json) (?P<key>\S+) ~ (?P<other>\S+\.json) (?P<other_key>\S+) within "
+            r"(?P<tol>\S+)$"
         ),
     ),
     (
         "far",
         re.compile(
-            r"(?P<run>\S+\.json) (?P<key>\S+) !~ (?P<other>\S+\.json) (?P<other_key>\S+) beyond (?P<tol>\S+)$"
+            r"(?P<run>\S+\.json) (?P<key>\S+) !~ (?P<other>\S+\.json) (?P<other_key>\S+) beyond "
+            r"(?P<tol>\S+)$"
         ),
     ),
     (
@@ -94,7 +97,8 @@ def parse_check(text):
 
 
 def exercises(page):
-    """[(title, [command words], question, visible answer, [(kind, fields)])] of the page's Exercises section."""
+    """[(title, [command words], question, visible answer, [(kind, fields)])] of the page's
+    Exercises section."""
     text = page.read_text()
     match = re.search(r"^## Exercises\n(.*?)(?=^## |\Z)", text, re.S | re.M)
     assert match, f"{page.name} has no ## Exercises section"
@@ -126,7 +130,8 @@ def run_name(words):
 
 
 def all_commands():
-    """{NAME.json: the command's words}, over every page; the same name is the same command everywhere."""
+    """{NAME.json: the command's words}, over every page; the same name is the same command
+    everywhere."""
     return {name: words for name, (words, _) in commands_and_before().items()}
 
 
@@ -153,7 +158,8 @@ def edits():
 
 
 def commands_and_before():
-    """{NAME.json: (its words, the names above it in its blocks)}: a trace's reader runs after its run."""
+    """{NAME.json: (its words, the names above it in its blocks)}: a trace's reader runs after its
+    run."""
     named = {}
     for page in PAGES:
         for title, commands, *_ in exercises(page):
@@ -222,15 +228,16 @@ def test_every_page_has_its_exercises_in_the_format():
 
 
 class Runs:
-    """Each named run, launched the first time a check needs it and kept for the others (this file's tests)."""
+    """Each named run, launched the first time a check needs it and kept for the others (this file's
+    tests)."""
 
     def __init__(self, directory):
         self.directory, self.commands, self.done = directory, commands_and_before(), {}
         self.edits = edits()
 
     def broken_copy(self, name):
-        """directory/BROKEN.py, made by its page's sed line from the script here; it imports this repository's
-        plumbing and models (child_env's PYTHONPATH)."""
+        """directory/BROKEN.py, made by its page's sed line from the script here; it imports this
+        repository's plumbing and models (child_env's PYTHONPATH)."""
         sed = self.edits[name]
         made = subprocess.run(sed[:3], cwd=ROOT, capture_output=True, text=True, check=True).stdout
         assert made != (ROOT / sed[2]).read_text(), (

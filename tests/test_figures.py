@@ -1,9 +1,9 @@
 """docs/figures.py: the committed pictures are the ones the code draws today.
 
-The script runs once (4 gloo processes, a few seconds) into a temporary directory. Its figures.json, the exact
-data each picture draws, must equal the committed docs/images/figures.json: PNG bytes differ between
-matplotlib and freetype versions, the data does not. A few facts on that data check that the pictures show
-what their titles say.
+The script runs once (4 gloo processes, a few seconds) into a temporary directory. Its figures.json,
+the exact data each picture draws, must equal the committed docs/images/figures.json: PNG bytes
+differ between matplotlib and freetype versions, the data does not. A few facts on that data check
+that the pictures show what their titles say.
 """
 
 import json
@@ -48,9 +48,10 @@ def test_figures_match_the_committed_ones(tmp_path):
             width, height = png_size(directory / figure["png"])
             assert 800 <= width <= 2000 and 400 <= height <= 1600, (figure["png"], width, height)
 
-    # DistributedSampler: every rank the same count, rank r at positions r, r+W, ... of the order the ranks are
-    # dealt from: with drop_last=True the first W x floor(N / W) positions (disjoint shares), with drop_last=False
-    # the whole order padded by its own first indices to W x ceil(N / W) (the padding is seen twice).
+    # DistributedSampler: every rank the same count, rank r at positions r, r+W, ... of the order
+    # the ranks are dealt from: with drop_last=True the first W x floor(N / W) positions (disjoint
+    # shares), with drop_last=False the whole order padded by its own first indices to W x ceil(N /
+    # W) (the padding is seen twice).
     sampler = fresh["sampler"]
     n, order = sampler["samples"], sampler["order"]
     assert sorted(order) == list(range(n))
@@ -80,7 +81,8 @@ def test_figures_match_the_committed_ones(tmp_path):
                 order + p["repeated"]
             )  # every sample once, the padding twice
 
-    # FSDP: each rank holds one block of rows, at most ceil(rows / W); the shards cover every row once per replica.
+    # FSDP: each rank holds one block of rows, at most ceil(rows / W); the shards cover every row
+    # once per replica.
     fsdp = fresh["fsdp_shards"]
     world = fsdp["world_size"]
     for label, shards in (("full", world), ("hybrid", world // 2)):

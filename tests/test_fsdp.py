@@ -54,7 +54,8 @@ def test_sharded_training_matches_one_ddp_process_at_the_same_global_batch(
     if (
         "grad-op" in layout
     ):  # and each rank holds half the training state, after the evaluation: in float64,
-        # weights, gradients and SGD's momentum are 24 bytes a parameter on a DDP rank; BabyCNN's rows split evenly
+        # weights, gradients and SGD's momentum are 24 bytes a parameter on a DDP rank; BabyCNN's
+        # rows split evenly
         per_rank = [r["state_bytes"] for r in metrics["ranks"]]
         assert per_rank == [24 * metrics["param_count"] // 2] * 2, (
             metrics["param_count"],
@@ -65,8 +66,9 @@ def test_sharded_training_matches_one_ddp_process_at_the_same_global_batch(
 def test_full_sharding_with_adamw_matches_one_ddp_process_at_the_same_global_batch(
     mnist_dir, tmp_path
 ):
-    # AdamW divides by the root of the squared gradients: where a gradient is near zero, another summation order's
-    # rounding becomes a step of +-lr in float32. In float64 that rounding is ~1e-16, and the runs end ~3e-15 apart.
+    # AdamW divides by the root of the squared gradients: where a gradient is near zero, another
+    # summation order's rounding becomes a step of +-lr in float32. In float64 that rounding is
+    # ~1e-16, and the runs end ~3e-15 apart.
     common = [*mnist_args(mnist_dir), *EQUIVALENCE, "--optimizer", "adamw", "--lr", "1e-3"]
     paths = {name: tmp_path / f"{name}.pt" for name in ("ddp", "fsdp", "control")}
     runs = [
@@ -117,7 +119,9 @@ def test_bf16_mixed_precision_learns(mnist_dir, tmp_path):
     assert run.output.count("epoch 3:") == 1 and "loss (all ranks)" in run.output
 
 
-BAD_LAYOUTS = {  # case: (processes, flags, the error line it must give); one process where the world size does not matter
+# case: (processes, flags, the error line it must give); one process where the world size does not
+# matter
+BAD_LAYOUTS = {
     "replicas-not-dividing": (
         2,
         ["--sharding", "hybrid", "--replicate-degree", "3"],

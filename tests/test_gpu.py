@@ -125,8 +125,9 @@ def test_a_gpu_run_does_the_same_math_as_the_cpu_reference(reference, control, m
     assert_same_math(load_weights(path), reference, control)
 
 
-# train_ddp.py --compile on one GPU: CUDA graphs (mode="reduce-overhead"), and with --grad-accum 2 the gradient buffers
-# the graphs cannot reuse; on RANKS GPUs, inside DDP. train_fsdp.py compiles each block, without CUDA graphs.
+# train_ddp.py --compile on one GPU: CUDA graphs (mode="reduce-overhead"), and with --grad-accum 2
+# the gradient buffers the graphs cannot reuse; on RANKS GPUs, inside DDP. train_fsdp.py compiles
+# each block, without CUDA graphs.
 @pytest.mark.parametrize(
     "script, processes, accumulate",
     [
@@ -204,14 +205,15 @@ def test_a_checkpoint_resumes_on_gpus_with_every_random_state(mnist_dir, tmp_pat
         )
     )
     assert "resumed from" in run.output
-    # cuDNN's backward may add in another order from run to run, so the same float64 tolerance applies.
+    # cuDNN's backward may add in another order from run to run, so the same float64 tolerance
+    # applies.
     resumed, uninterrupted = load_weights(tmp_path / "b.pt"), load_weights(tmp_path / "a.pt")
     assert max((resumed[k] - uninterrupted[k]).abs().max().item() for k in resumed) < 1e-12
 
 
 def test_more_processes_than_gpus_is_one_line_per_node(mnist_dir):
-    # Through run_ddp.sh, as a user launches it: when torchrun stops rank 0 before it speaks (rank 1 failed first),
-    # the launcher prints rank 1's line.
+    # Through run_ddp.sh, as a user launches it: when torchrun stops rank 0 before it speaks (rank 1
+    # failed first), the launcher prints rank 1's line.
     run = run_sh(
         "train_ddp.py", GPUS + 1, *mnist_args(mnist_dir), "--device", "cuda", env=gpu_env()
     ).wait()

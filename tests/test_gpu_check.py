@@ -57,7 +57,8 @@ def test_the_dry_run_lists_every_step_and_every_command_parses(tmp_path):
     assert f"dry run: {len(commands)} commands checked, 0 problem(s)" in run.output
 
 
-@pytest.mark.slow  # two more dry runs: the one above keeps a script's change from breaking the check unnoticed
+# two more dry runs: the one above keeps a script's change from breaking the check unnoticed
+@pytest.mark.slow
 def test_a_copy_whose_scripts_changed_fails_the_dry_run_or_runs_more(tmp_path):
     # A copy of the project with two changes. The negative control: its shared parser renamed
     # --no-eval, a flag the speed step passes to train_ddp.py. And train_ddp.py has --model gpt, as

@@ -1,7 +1,7 @@
-"""Defects of the old plumbing, each with a test that failed on it: downloads under a collective's timeout, a
-fresh optimizer stepped once before training, the checkpoint's lr kept on resume, a stuck rank deaf to a second
-signal, autocast around backward. (The pipeline replicas all-reducing once per micro-step: test_pippy.py's layout
-with replicas.)"""
+"""Defects of the old plumbing, each with a test that failed on it: downloads under a collective's
+timeout, a fresh optimizer stepped once before training, the checkpoint's lr kept on resume, a stuck
+rank deaf to a second signal, autocast around backward. (The pipeline replicas all-reducing once per
+micro-step: test_pippy.py's layout with replicas.)"""
 
 import os
 import shutil
@@ -53,8 +53,8 @@ def test_a_download_happens_before_the_process_group_and_once_per_directory(tmp_
 
 
 def test_a_fresh_adamw_starts_at_step_zero(mnist_dir, tmp_path):
-    # get_state_dict() steps an optimizer with no state once (lr 0) to create it: before a fresh run's first step,
-    # that made AdamW's bias correction count one step too many.
+    # get_state_dict() steps an optimizer with no state once (lr 0) to create it: before a fresh
+    # run's first step, that made AdamW's bias correction count one step too many.
     succeeded(
         python(
             "train_ddp.py",
@@ -144,14 +144,16 @@ def test_a_second_signal_ends_a_rank_stuck_in_a_collective(mnist_dir):
     os.kill(workers[1], signal.SIGSTOP)  # rank 1 stops: rank 0 waits for it in its next all-reduce
     try:
         os.kill(workers[0], signal.SIGTERM)
-        # StopSignals takes a signal over a second after the first as a second one (torchrun's copy of one signal
-        # comes at once): sleep() waits at least that long, however loaded the machine.
+        # StopSignals takes a signal over a second after the first as a second one (torchrun's copy
+        # of one signal comes at once): sleep() waits at least that long, however loaded the
+        # machine.
         time.sleep(1.5)
         assert alive(
             workers[0]
         )  # the first only asks for a stop at a logging step, which rank 0 cannot reach
         os.kill(workers[0], signal.SIGTERM)
-        # Without the second signal's watcher, rank 0 would wait in the all-reduce for the 10-minute timeout.
+        # Without the second signal's watcher, rank 0 would wait in the all-reduce for the 10-minute
+        # timeout.
         run.wait_for_text("SIGTERM again: rank 0 ends now, with no checkpoint", timeout=120)
         deadline = time.monotonic() + 60
         while alive(workers[0]) and time.monotonic() < deadline:
@@ -163,8 +165,8 @@ def test_a_second_signal_ends_a_rank_stuck_in_a_collective(mnist_dir):
 
 
 def test_bf16_autocast_wraps_each_stage_forward_as_ddp_wraps_the_model(mnist_dir, tmp_path):
-    # One stage and one microbatch: the same computation as DDP's, bf16 rounding and all, if autocast wraps the
-    # same operations (the forward) in both.
+    # One stage and one microbatch: the same computation as DDP's, bf16 rounding and all, if
+    # autocast wraps the same operations (the forward) in both.
     flags = [
         *mnist_args(mnist_dir),
         "--precision",

@@ -1,5 +1,6 @@
-"""--init-from: a run starts from the weights in one file, under every strategy, with a fresh optimizer and lr schedule.
-Rank 0 reads the file and broadcasts each weight, so a node holds it once, not once per rank."""
+"""--init-from: a run starts from the weights in one file, under every strategy, with a fresh
+optimizer and lr schedule. Rank 0 reads the file and broadcasts each weight, so a node holds it
+once, not once per rank."""
 
 import pytest
 import torch
@@ -28,7 +29,8 @@ LAYOUTS = {  # global batch 32 each, as the one process of the reference
 
 @pytest.fixture(scope="module")
 def trained(mnist_dir, tmp_path_factory):
-    """A file of another run's final weights (fp32, 10 steps), and the run from it on one process: the reference."""
+    """A file of another run's final weights (fp32, 10 steps), and the run from it on one process:
+    the reference."""
     directory = tmp_path_factory.mktemp("init")
     succeeded(
         python(
@@ -69,8 +71,9 @@ def trained(mnist_dir, tmp_path_factory):
 def test_every_strategy_starts_from_the_file_as_one_process_does(
     layout, trained, reference, mnist_dir, tmp_path
 ):
-    """24 fp64 steps from the file's weights: FSDP on 2 ranks, 2 pipeline stages, TP 2 (FSDP's reads the .safetensors
-    copy) end where one process ends (1e-16 apart here), and far from where one process ends without the file."""
+    """24 fp64 steps from the file's weights: FSDP on 2 ranks, 2 pipeline stages, TP 2 (FSDP's reads
+    the .safetensors copy) end where one process ends (1e-16 apart here), and far from where one
+    process ends without the file."""
     script, ranks, flags = LAYOUTS[layout]
     source = trained / ("trained.safetensors" if layout == "fsdp-2" else "trained.pt")
     succeeded(
@@ -86,7 +89,8 @@ def test_every_strategy_starts_from_the_file_as_one_process_does(
             tmp_path / "final.pt",
         )
     )
-    control = reference  # conftest's: the same one-process run without --init-from, from BabyCNN's seeded weights
+    # conftest's: the same one-process run without --init-from, from BabyCNN's seeded weights
+    control = reference
     reference, initial = (
         load_weights(trained / "reference.pt"),
         load_weights(trained / "trained.pt"),

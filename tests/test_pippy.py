@@ -36,10 +36,11 @@ NEIGHBOURS_REFUSED = torch.__version__ < (
     2,
     14,
 )  # two neighbouring stages on one rank, on gloo: train_pippy.py
-# name: (ranks, flags); every layout has global batch 32. Every schedule runs with accumulation (where the
-# schedule's own gradient scaling went wrong), and 4 stages without. Replicas average their gradients in one
-# all-reduce after the schedule's step, whatever the schedule (DDP inside a stage allowed 1f1b only, and all-reduced
-# at every micro-step): the last layout, with two stages per rank, the gradients of both in that one all-reduce.
+# name: (ranks, flags); every layout has global batch 32. Every schedule runs with accumulation
+# (where the schedule's own gradient scaling went wrong), and 4 stages without. Replicas average
+# their gradients in one all-reduce after the schedule's step, whatever the schedule (DDP inside a
+# stage allowed 1f1b only, and all-reduced at every micro-step): the last layout, with two stages
+# per rank, the gradients of both in that one all-reduce.
 LAYOUTS = {
     "gpipe-2-accumulate": (2, ["--schedule", "gpipe", *ACCUMULATE]),
     "1f1b-2-accumulate": (2, ["--schedule", "1f1b", *ACCUMULATE]),
@@ -76,8 +77,9 @@ LAYOUTS = {
 
 
 def test_a_clip_by_each_stage_own_norm_is_far_from_one_process(reference, mnist_dir, tmp_path):
-    """The negative control of the clipping above: train_pippy.py with the all-reduce of its gradient norm taken out,
-    so that each stage clips by the norm of its own gradients (torchtitan issue 596, pytorch issue 162638)."""
+    """The negative control of the clipping above: train_pippy.py with the all-reduce of its
+    gradient norm taken out, so that each stage clips by the norm of its own gradients (torchtitan
+    issue 596, pytorch issue 162638)."""
     source = (ROOT / "train_pippy.py").read_text()
     line = "dist.all_reduce(squares, group=pp_group)"
     assert source.count(line) == 1
@@ -97,13 +99,13 @@ def test_a_clip_by_each_stage_own_norm_is_far_from_one_process(reference, mnist_
 
 
 def neighbours_refused(schedule):
-    """train_pippy.py's line on torch 2.9, whose multi-stage schedules send between a rank's own neighbouring stages
-    (the V's, or one pipeline rank's), which gloo cannot."""
+    """train_pippy.py's line on torch 2.9, whose multi-stage schedules send between a rank's own
+    neighbouring stages (the V's, or one pipeline rank's), which gloo cannot."""
     return f"--schedule {schedule} with two neighbouring stages on one rank fails on gloo"
 
 
-# The README's command runs four layouts (gpipe, 1f1b, zbv, and replicas of a looped pipeline); -m slow the
-# other four.
+# The README's command runs four layouts (gpipe, 1f1b, zbv, and replicas of a looped pipeline); -m
+# slow the other four.
 SLOW_LAYOUTS = {
     "1f1b-4-stages",
     "interleaved-1f1b-2x2-accumulate",
@@ -142,14 +144,15 @@ def test_every_schedule_matches_one_ddp_process(
     assert_same_math(load_weights(path), reference, control)
     metrics = json.loads(metrics_path.read_text())
     assert metrics["global_batch_size"] == 32
-    # The loss rank 0 logs is the model's real loss, sent from the last stage: the same as DDP's (both
-    # are summed in a float32 window, hence a float32 tolerance).
+    # The loss rank 0 logs is the model's real loss, sent from the last stage: the same as DDP's
+    # (both are summed in a float32 window, hence a float32 tolerance).
     assert [s for s, _, _ in metrics["loss_curve"]] == [
         s for s, _, _ in reference_metrics["loss_curve"]
     ]
     for (_, mine, _), (_, theirs, _) in zip(metrics["loss_curve"], reference_metrics["loss_curve"]):
         assert mine == pytest.approx(theirs, rel=1e-5)
-    # The gradient norm it logs (before clipping) is the whole model's, over every stage: the reference's.
+    # The gradient norm it logs (before clipping) is the whole model's, over every stage: the
+    # reference's.
     assert [s for s, _ in metrics["grad_norms"]] == [s for s, _ in reference_metrics["grad_norms"]]
     for (_, mine), (_, theirs) in zip(metrics["grad_norms"], reference_metrics["grad_norms"]):
         assert mine == pytest.approx(theirs, rel=1e-9)
@@ -169,7 +172,8 @@ def test_every_schedule_matches_one_ddp_process(
         assert [r["stages"] for r in metrics["ranks"]] == [[0, 2], [0, 2], [1, 3], [1, 3]]
 
 
-# 30 steps of a 2-stage pipeline at a constant lr: 1.5 epochs of the 640 images, evaluated after each (partial) one.
+# 30 steps of a 2-stage pipeline at a constant lr: 1.5 epochs of the 640 images, evaluated after
+# each (partial) one.
 SHORT_RUN = [
     "--batch-size",
     "32",
@@ -193,8 +197,9 @@ def short_runs_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def short_runs(mnist_dir, short_runs_dir):
-    """The short run in bf16 and in fp32, started together: {precision: (run, metrics)}. The fp32 run also saves its
-    weights and checkpoints at step 20 (epoch 1's end) and 30 in short_runs_dir/fp32/."""
+    """The short run in bf16 and in fp32, started together: {precision: (run, metrics)}. The fp32
+    run also saves its weights and checkpoints at step 20 (epoch 1's end) and 30 in
+    short_runs_dir/fp32/."""
     out = short_runs_dir
     fp32 = [
         "--checkpoint-every",
@@ -239,8 +244,9 @@ def test_short_run_learns_and_rank_zero_reports_the_last_stage_loss(short_runs):
 
 def test_the_pipeline_trains_in_bf16(short_runs):
     """docs/ddp.md (Mixed precision) and docs/pipeline.md: autocast wraps each stage's forward, the
-    pipeline trains in bf16. Its loss falls as the fp32 run's does and stays near it: their gap at every
-    logging step is far below how far the loss fell. It is not the fp32 run again: the losses differ."""
+    pipeline trains in bf16. Its loss falls as the fp32 run's does and stays near it: their gap at
+    every logging step is far below how far the loss fell. It is not the fp32 run again: the losses
+    differ."""
     bf16, fp32 = ([loss for _, loss, _ in short_runs[p][1]["loss_curve"]] for p in ("bf16", "fp32"))
     assert short_runs["bf16"][1]["precision"] == "bf16" and len(bf16) == len(fp32) >= 4, (
         bf16,
@@ -253,7 +259,8 @@ def test_the_pipeline_trains_in_bf16(short_runs):
         fp32,
     )  # both learn (ln 10 = 2.3 at the start)
     gap = max(abs(a - b) for a, b in zip(bf16, fp32))
-    # bf16 follows fp32 (here the gap was 0.10 and the fall 2.3: bf16's rounding grows over the steps) ...
+    # bf16 follows fp32 (here the gap was 0.10 and the fall 2.3: bf16's rounding grows over the
+    # steps) ...
     assert gap < 0.25 * fall, (gap, fall, bf16, fp32)
     assert gap > 1e-4, (bf16, fp32)  # ... but rounds differently: it did run in bf16
 
@@ -261,8 +268,9 @@ def test_the_pipeline_trains_in_bf16(short_runs):
 def test_a_run_resumed_at_an_epoch_end_evaluates_first_and_trains_on_as_if_never_stopped(
     short_runs, short_runs_dir, mnist_dir, tmp_path
 ):
-    # Resumed at step 20 (an epoch's end), the schedule's first call is the evaluation, then epoch 2 trains: on
-    # torch 2.9 that left the stages without their backward set up (pytorch issue 162822).
+    # Resumed at step 20 (an epoch's end), the schedule's first call is the evaluation, then epoch 2
+    # trains: on torch 2.9 that left the stages without their backward set up (pytorch issue
+    # 162822).
     whole = short_runs_dir / "fp32"  # the fp32 short run: 30 steps, checkpoints at 20 and 30
     shutil.copytree(whole / "ck" / "step-20", tmp_path / "ck" / "step-20")
     resumed = succeeded(
@@ -285,7 +293,9 @@ def test_a_run_resumed_at_an_epoch_end_evaluates_first_and_trains_on_as_if_never
     )
 
 
-BAD_LAYOUTS = {  # case: (processes, flags, the error line it must give); one process where the world size does not matter
+# case: (processes, flags, the error line it must give); one process where the world size does not
+# matter
+BAD_LAYOUTS = {
     "batch-not-divisible": (
         1,
         ["--batch-size", "30", "--microbatches", "8"],
@@ -340,8 +350,9 @@ def test_bad_layouts_are_one_line_errors(case, bad_layout_runs):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_too_few_microbatches_are_refused_where_batch_not_divisible_is(schedule):
-    # check_flags, which the launched batch-not-divisible case reaches, on 2 pipeline ranks: no launch needed.
-    # GPipe with 1 microbatch on 2 stages: torch 2.9's schedule raises a traceback where 2.14's runs.
+    # check_flags, which the launched batch-not-divisible case reaches, on 2 pipeline ranks:
+    # no launch needed. GPipe with 1 microbatch on 2 stages: torch 2.9's schedule raises a traceback
+    # where 2.14's runs.
     args = argparse.Namespace(
         batch_size=32, microbatches=1, schedule=schedule, data_parallel=1, stages_per_rank=None,
         compile=False,

@@ -1,4 +1,5 @@
-"""What a person watching a run sees: in a terminal, rank 0's progress bar; in a pipe, a plain line per logging step."""
+"""What a person watching a run sees: in a terminal, rank 0's progress bar; in a pipe, a plain line
+per logging step."""
 
 import fcntl
 import os
@@ -31,8 +32,9 @@ RUN = [
 
 
 class Terminal:
-    """``bash run_ddp.sh`` with a pseudo-terminal for its stdin, stdout and stderr, 100 columns wide, as a person's
-    shell starts it: its own process group, which Ctrl-C (SIGINT) reaches whole."""
+    """``bash run_ddp.sh`` with a pseudo-terminal for its stdin, stdout and stderr, 100 columns
+    wide, as a person's shell starts it: its own process group, which Ctrl-C (SIGINT) reaches whole.
+    """
 
     def __init__(self, args, env):
         self.master, replica = pty.openpty()
@@ -68,8 +70,8 @@ class Terminal:
         return self.process.returncode
 
     def screen(self):
-        """The lines as a terminal leaves them: of each, what follows its last carriage return (tqdm redraws a line
-        by going back to its start), less the escape sequences that clear or move."""
+        """The lines as a terminal leaves them: of each, what follows its last carriage return (tqdm
+        redraws a line by going back to its start), less the escape sequences that clear or move."""
         text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", self.raw.decode(errors="replace")).replace(
             "\r\n", "\n"
         )
@@ -90,10 +92,10 @@ class Terminal:
 def test_a_terminal_shows_one_bar_a_stop_line_and_a_resume_that_starts_at_its_checkpoint(
     mnist_dir, tmp_path
 ):
-    """In a terminal rank 0 draws a bar (tqdm) instead of step lines: steps done of the total, epoch, the all-rank
-    loss, samples/s, the time left. Ctrl-C stops at a checkpoint with its one line, the last; the same command
-    resumes, and its bar starts at that checkpoint's step. (In a pipe, a line per logging step and no carriage return:
-    tests/test_ddp.py's short run.)"""
+    """In a terminal rank 0 draws a bar (tqdm) instead of step lines: steps done of the total,
+    epoch, the all-rank loss, samples/s, the time left. Ctrl-C stops at a checkpoint with its one
+    line, the last; the same command resumes, and its bar starts at that checkpoint's step. (In a
+    pipe, a line per logging step and no carriage return: tests/test_ddp.py's short run.)"""
     env = launcher_env(NPROC_PER_NODE=1)
     args = [*mnist_args(mnist_dir), *RUN, "--checkpoint-dir", tmp_path / "ck"]
     first = Terminal(args, env)
@@ -119,7 +121,8 @@ def test_a_terminal_shows_one_bar_a_stop_line_and_a_resume_that_starts_at_its_ch
     )  # no plain step lines in a terminal
     bar = next(line for line in reversed(screen) if "step/s" in line or "s/step" in line)
     assert re.match(
-        rf"epoch \d: +\d+%\|.*\| {stopped_at}/120 \[\d\d:\d\d<\d\d:\d\d, .*loss \(all ranks\) \d\.\d{{4}}, "
+        rf"epoch \d: +\d+%\|.*\| {stopped_at}/120 \[\d\d:\d\d<\d\d:\d\d, .*loss \(all ranks\) "
+        rf"\d\.\d{{4}}, "
         r"[\d,]+ samples/s\]$",
         bar,
     ), bar
@@ -169,6 +172,7 @@ def test_without_tensorboard_the_log_dir_says_so_once_and_writes_the_csv(
     ],
 )
 def test_profile_steps_that_cannot_be_profiled_are_refused_in_one_line(flags, error):
-    # UsageErrors: one line and exit code 2 from every launch (tests/test_bad_input.py shows the path)
+    # UsageErrors: one line and exit code 2 from every launch (tests/test_bad_input.py shows the
+    # path)
     with pytest.raises(failures.UsageError, match=re.escape(error)):
         watch.Profiler(training.parser("").parse_args(flags), 0, torch.device("cpu"), 0, 100)

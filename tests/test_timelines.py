@@ -1,11 +1,11 @@
 """docs/timelines.py: the committed timelines show what a real 2-rank run does today.
 
-The script runs once (2 gloo processes, about 10 to 25 s on 2 cores) into a temporary directory. Its times change
-from run to run and are never compared; the structure of timelines.json (everything outside the keys named "times")
-must equal the committed docs/images/timelines.json: which events happen in which order on each rank, which
-collective follows which block, the buckets, the all-gathers in backward. The other tests read the committed file
-(the first one ties it to what the code does today) and check that the pictures show what their titles and the
-pages say.
+The script runs once (2 gloo processes, about 10 to 25 s on 2 cores) into a temporary directory. Its
+times change from run to run and are never compared; the structure of timelines.json (everything
+outside the keys named "times") must equal the committed docs/images/timelines.json: which events
+happen in which order on each rank, which collective follows which block, the buckets, the
+all-gathers in backward. The other tests read the committed file (the first one ties it to what the
+code does today) and check that the pictures show what their titles and the pages say.
 """
 
 import json
@@ -76,8 +76,10 @@ def test_timelines_match_the_committed_ones(tmp_path, committed):
     fresh = json.loads((tmp_path / "timelines.json").read_text())
     stale = differences(structure(fresh), structure(committed))
     assert not stale, (
-        "docs/images/timelines.json is out of date: the code (or torch) now runs a step another way. "
-        "Run `python docs/timelines.py`, look at the PNGs, update the numbers the pages read from them "
+        "docs/images/timelines.json is out of date: the code (or torch) now runs a step another "
+        "way. "
+        "Run `python docs/timelines.py`, look at the PNGs, update the numbers the pages read from "
+        "them "
         "and commit docs/images/.\n" + "\n".join(stale)
     )
     for figure in fresh.values():
@@ -88,8 +90,9 @@ def test_timelines_match_the_committed_ones(tmp_path, committed):
 
 
 def test_ddp_buckets_and_overlap(committed):
-    """Default buckets: one, all-reduced after the whole backward. bucket_cap_mb=0.05: three, in the reverse order
-    of the parameters, the first all-reduced while the earlier blocks' backward still runs."""
+    """Default buckets: one, all-reduced after the whole backward. bucket_cap_mb=0.05: three, in the
+    reverse order of the parameters, the first all-reduced while the earlier blocks' backward still
+    runs."""
     names = [name for name, _ in BabyCNN(device="meta").named_parameters()]
     runs = committed["ddp"]["runs"]
     assert [len(run["buckets"]) for run in runs.values()] == [1, 3]
@@ -110,7 +113,8 @@ def test_ddp_buckets_and_overlap(committed):
             assert order[-1] == "optimizer step" and order[-2].startswith("all-reduce"), label
     assert runs["default"]["overlaps_backward"] == [False, False]
     assert runs["0.05"]["overlaps_backward"] == [True, True]
-    # The cap rule docs/ddp.md states: a bucket closes with the gradient that takes it to the cap or past it.
+    # The cap rule docs/ddp.md states: a bucket closes with the gradient that takes it to the cap or
+    # past it.
     sizes = {name: 4 * p.numel() for name, p in BabyCNN(device="meta").named_parameters()}
     cap = 0.05 * 2**20
     *closed, last = [bucket["parameters"] for bucket in runs["0.05"]["buckets"]]
@@ -121,7 +125,8 @@ def test_ddp_buckets_and_overlap(committed):
     assert (
         sum(sizes[name] for name in last[:-1]) < cap
     )  # the last one closes at backward's end, below the cap
-    # As a bucket of at most the cap (the rule the page once stated) it would fail: the buckets cross it.
+    # As a bucket of at most the cap (the rule the page once stated) it would fail: the buckets
+    # cross it.
     assert any(sum(sizes[name] for name in held) > cap for held in closed)
     for order in runs["0.05"][
         "order"
@@ -131,9 +136,9 @@ def test_ddp_buckets_and_overlap(committed):
 
 
 def test_fsdp_gathers_and_reduces_per_block(committed):
-    """Each block's forward right after its all-gather; each block's reduce-scatter right after its backward;
-    full gathers blocks 2, 1, 0 again during backward (each just before the block after it computes: a prefetch),
-    grad-op never does, and holds their gathered weights instead."""
+    """Each block's forward right after its all-gather; each block's reduce-scatter right after its
+    backward; full gathers blocks 2, 1, 0 again during backward (each just before the block after it
+    computes: a prefetch), grad-op never does, and holds their gathered weights instead."""
     fsdp = committed["fsdp"]
     for sharding, s in fsdp["shardings"].items():
         for order, collectives in zip(s["order"], s["collectives"]):
@@ -160,8 +165,9 @@ def test_fsdp_gathers_and_reduces_per_block(committed):
                 k for k, event in enumerate(order) if event == f"all-gather blocks.{i - 1}"
             )
             assert gathered < order.index(f"backward blocks.{i}"), order
-    # At the end of forward grad-op holds, on every rank, exactly the gathered weights of blocks 0 to 2 more than
-    # full (which resharded them; both keep the last block's for its backward), in fp32.
+    # At the end of forward grad-op holds, on every rank, exactly the gathered weights of blocks 0
+    # to 2 more than full (which resharded them; both keep the last block's for its backward), in
+    # fp32.
     model = BabyCNN(width=fsdp["width"], device="meta")
     gathered = 4 * sum(p.numel() for block in model.blocks[:-1] for p in block.parameters())
     assert fsdp["grad_op_holds_more_after_forward_bytes"] == [gathered] * 2

@@ -1,5 +1,6 @@
-"""train_tp.py (tensor parallelism inside groups of --tp ranks, FSDP2 across them), launched for real under torchrun
-on gloo: the same math as one process, and the mistakes that would break it, each far off."""
+"""train_tp.py (tensor parallelism inside groups of --tp ranks, FSDP2 across them), launched for
+real under torchrun on gloo: the same math as one process, and the mistakes that would break it,
+each far off."""
 
 import json
 
@@ -30,8 +31,8 @@ from conftest import (
 def test_tensor_parallel_training_matches_one_ddp_process(
     ranks, flags, reference, control, mnist_dir, tmp_path
 ):
-    # Every layer split in two by channels, then (4 ranks) two groups of two sharded by FSDP, with 2 micro-steps:
-    # global batch 32, as the one process of the reference run.
+    # Every layer split in two by channels, then (4 ranks) two groups of two sharded by FSDP, with 2
+    # micro-steps: global batch 32, as the one process of the reference run.
     path, metrics_path = tmp_path / "tp.pt", tmp_path / "metrics.json"
     succeeded(
         torchrun(
@@ -53,9 +54,10 @@ def test_tensor_parallel_training_matches_one_ddp_process(
     assert metrics["global_batch_size"] == 32 and metrics["mesh"] == [ranks // 2, 2]
 
 
-# What would break it, each in a copy of the script: pytorch/examples' TP example built its optimizer before the
-# split, so the optimizer held tensors the model no longer used, and nothing trained; without the backward's
-# all-reduce, each rank's input gradient is only its own channels' part.
+# What would break it, each in a copy of the script: pytorch/examples' TP example built its
+# optimizer before the split, so the optimizer held tensors the model no longer used, and nothing
+# trained; without the backward's all-reduce, each rank's input gradient is only its own channels'
+# part.
 BREAKS = {
     "optimizer-before-the-split": lambda text: text.replace(
         "        optimizer = training.make_optimizer(args, model.parameters())\n", ""
@@ -106,9 +108,10 @@ def test_a_layout_that_does_not_divide_is_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_the_collectives_and_the_bytes_per_rank_are_what_the_page_predicts():
-    # 2 groups of 2: the tp all-reduces and FSDP's all-gathers and reduce-scatters of one step, counted by
-    # CommDebugMode; and each rank's weights, gradients and AdamW moments, 1/(dp x tp) of the model's, but for
-    # the row-wise layers' biases (whole in each tp group) and AdamW's step counters.
+    # 2 groups of 2: the tp all-reduces and FSDP's all-gathers and reduce-scatters of one step,
+    # counted by CommDebugMode; and each rank's weights, gradients and AdamW moments, 1/(dp x tp) of
+    # the model's, but for the row-wise layers' biases (whole in each tp group) and AdamW's step
+    # counters.
     run = succeeded(torchrun("benchmarks/tp_collectives.py", 4, "--tp", "2"))
     result = json.loads(next(line for line in run.output.splitlines() if line.startswith("{")))
     assert result["forward"] == result["predicted_forward"] == {"all_reduce": 4, "all_gather": 4}

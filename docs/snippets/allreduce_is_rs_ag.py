@@ -1,6 +1,8 @@
-"""The four collectives on small tensors, and all-reduce done as a reduce-scatter, then an all-gather.
+"""The four collectives on small tensors, and all-reduce done as a reduce-scatter, then an
+all-gather.
 
-Run:  torchrun --standalone --nproc-per-node=2 docs/snippets/allreduce_is_rs_ag.py   (any number of processes)
+Run:  torchrun --standalone --nproc-per-node=2 docs/snippets/allreduce_is_rs_ag.py   (any number of
+processes)
 
 Rank r starts with 2·W numbers, 10·r + 0, 10·r + 1, ...: whole numbers in float64, so every sum is
 exact and the two ways to all-reduce can be compared bit for bit. Rank 0 prints, for each rank, its
@@ -12,8 +14,9 @@ import json
 import torch
 import torch.distributed as dist
 
-# torch 2.14 names the single-tensor forms reduce_scatter_single and all_gather_single (the old names
-# still work, with a warning); torch 2.9 has only reduce_scatter_tensor and all_gather_into_tensor.
+# torch 2.14 names the single-tensor forms reduce_scatter_single and all_gather_single (the old
+# names still work, with a warning); torch 2.9 has only reduce_scatter_tensor and
+# all_gather_into_tensor.
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

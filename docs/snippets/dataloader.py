@@ -1,4 +1,5 @@
-"""A DataLoader with a DistributedSampler: for data that is not a tensor on the device (files, records, objects).
+"""A DataLoader with a DistributedSampler: for data that is not a tensor on the device (files,
+records, objects).
 
 Run:  torchrun --standalone --nproc-per-node=2 docs/snippets/dataloader.py
 
@@ -18,7 +19,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 
 class Records(Dataset):
-    """Stands for your data: __getitem__ builds one sample on the CPU (read a file, decode, augment)."""
+    """Stands for your data: __getitem__ builds one sample on the CPU (read a file, decode,
+    augment)."""
 
     def __init__(self, count):
         self.count = count
@@ -37,9 +39,10 @@ def main():
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dataset = Records(1001)
-    # Every rank gets len(dataset) // world_size samples of each epoch's shuffled order, none of them
-    # another rank's. drop_last=True leaves the last len(dataset) % world_size out; with False, the
-    # sampler pads the shards to the same length by repeating samples from the start of the order.
+    # Every rank gets len(dataset) // world_size samples of each epoch's shuffled order, none of
+    # them another rank's. drop_last=True leaves the last len(dataset) % world_size out; with False,
+    # the sampler pads the shards to the same length by repeating samples from the start of the
+    # order.
     sampler = DistributedSampler(
         dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0, drop_last=True
     )
@@ -47,15 +50,13 @@ def main():
         dataset,
         batch_size=32,
         sampler=sampler,  # the sampler shuffles: no shuffle=True here
-        num_workers=2,  # processes per rank that build batches while the rank trains on the last one
-        pin_memory=device.type
-        == "cuda",  # batches in page-locked memory: the copy below can be asynchronous
+        num_workers=2,  # processes per rank building batches while the rank trains
+        pin_memory=device.type == "cuda",  # page-locked batches: the copy below is asynchronous
         persistent_workers=True,  # keep the workers from one epoch to the next
     )
     for epoch in range(2):
-        sampler.set_epoch(
-            epoch
-        )  # a new shuffle each epoch, the same on every rank; without it every epoch repeats
+        # A new shuffle each epoch, the same on every rank; without it every epoch repeats.
+        sampler.set_epoch(epoch)
         loaded = []
         for indices, images, labels in loader:
             images, labels = (

@@ -1,10 +1,12 @@
 """What a flight recorder holds when a rank stops calling collectives: each rank's last one.
 
-Run:  TORCH_FR_BUFFER_SIZE=2000 torchrun --standalone --nproc-per-node=2 docs/snippets/flight_recorder.py
+Run:  TORCH_FR_BUFFER_SIZE=2000 torchrun --standalone --nproc-per-node=2
+docs/snippets/flight_recorder.py
 
 Rank 1 never calls the fourth all-reduce, so rank 0 waits in it until the process group's timeout
 (2 s here); then each rank prints the last entry of its flight recorder. TORCH_FR_BUFFER_SIZE: how
-many collectives it keeps (torch 2.14 keeps 2,000 by default; 2.9 records nothing on gloo without it).
+many collectives it keeps (torch 2.14 keeps 2,000 by default; 2.9 records nothing on gloo without
+it).
 """
 
 import json

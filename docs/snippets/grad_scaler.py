@@ -1,10 +1,12 @@
-"""fp16 mixed precision under DDP: autocast to float16, and a GradScaler that keeps the gradients in range.
+"""fp16 mixed precision under DDP: autocast to float16, and a GradScaler that keeps the gradients in
+range.
 
 Run:  torchrun --standalone --nproc-per-node=2 docs/snippets/grad_scaler.py
 
-On GPUs (NCCL) or CPUs (gloo; fp16 autocast on the CPU since torch 2.5). The scale starts at 2**24 on
-purpose, far too high: the first backwards overflow float16, each such step is skipped and the scale
-halved, until the scaled gradients fit. Rank 0 prints each step's record as one JSON line per rank.
+On GPUs (NCCL) or CPUs (gloo; fp16 autocast on the CPU since torch 2.5). The scale starts at 2**24
+on purpose, far too high: the first backwards overflow float16, each such step is skipped and the
+scale halved, until the scaled gradients fit. Rank 0 prints each step's record as one JSON line per
+rank.
 """
 
 import json
@@ -68,10 +70,11 @@ def main():
     if rank == 0:
         for entry in ranks:
             print(json.dumps(entry), flush=True)
-    # The group, and gloo's worker threads, end with its last reference: a thread still letting go of the last
-    # collective's tensors at interpreter shutdown aborts the process ("terminate called without an active exception").
-    # DDP holds the group: let go of it first. (So would torch.distributed.nn's functions, for good, if imported after
-    # init_process_group, as DDP does: their default group= is the group then. Hence the import at the top.)
+    # The group, and gloo's worker threads, end with its last reference: a thread still letting go
+    # of the last collective's tensors at interpreter shutdown aborts the process ("terminate called
+    # without an active exception"). DDP holds the group: let go of it first. (So would
+    # torch.distributed.nn's functions, for good, if imported after init_process_group, as DDP does:
+    # their default group= is the group then. Hence the import at the top.)
     del model
     dist.destroy_process_group()
 

@@ -25,7 +25,8 @@ LR = 0.1
 
 
 def batches(rank):
-    """Rank r's batches: 3 + r of them, 4 samples each (seeded, so the result can be worked out by hand)."""
+    """Rank r's batches: 3 + r of them, 4 samples each (seeded, so the result can be worked out by
+    hand)."""
     generator = torch.Generator().manual_seed(rank)
     return [
         (
@@ -49,8 +50,8 @@ def main():
     model = DDP(make_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     steps = 0
-    # divide_by_initial_world_size=True (the default): gradients are still divided by world_size when
-    # some ranks have joined, so a step that only some ranks take counts for less.
+    # divide_by_initial_world_size=True (the default): gradients are still divided by world_size
+    # when some ranks have joined, so a step that only some ranks take counts for less.
     with model.join() if use_join else nullcontext():
         for inputs, targets in batches(rank):
             optimizer.zero_grad()
@@ -64,10 +65,11 @@ def main():
     dist.all_gather_object(ranks, {"rank": rank, "steps": steps, "weights": weights})
     if rank == 0:
         print(json.dumps(ranks), flush=True)
-    # The group, and gloo's worker threads, end with its last reference: a thread still letting go of the last
-    # collective's tensors at interpreter shutdown aborts the process ("terminate called without an active exception").
-    # DDP holds the group: let go of it first. (So would torch.distributed.nn's functions, for good, if imported after
-    # init_process_group, as DDP does: their default group= is the group then. Hence the import at the top.)
+    # The group, and gloo's worker threads, end with its last reference: a thread still letting go
+    # of the last collective's tensors at interpreter shutdown aborts the process ("terminate called
+    # without an active exception"). DDP holds the group: let go of it first. (So would
+    # torch.distributed.nn's functions, for good, if imported after init_process_group, as DDP does:
+    # their default group= is the group then. Hence the import at the top.)
     del model
     dist.destroy_process_group()
 

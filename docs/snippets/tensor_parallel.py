@@ -67,7 +67,8 @@ def main():
         (model.fc2.weight.grad.to_local() - whole.fc2.weight.grad[:, rows]).abs().max().item(),
         (x_split.grad - x_whole.grad).abs().max().item(),
     )
-    # Without fc2's all-reduce: what rank r's own slice of the hidden layer gives alone, a partial sum.
+    # Without fc2's all-reduce: what rank r's own slice of the hidden layer gives alone, a partial
+    # sum.
     hidden = torch.relu(x @ model.fc1.weight.to_local().T + model.fc1.bias.to_local())
     partial = hidden @ model.fc2.weight.to_local().T + model.fc2.bias.to_local()
     mine = {
@@ -92,9 +93,10 @@ def main():
             ),
             flush=True,
         )
-    # torch 2.14's DTensor keeps the mesh in caches for good, and the mesh keeps its groups: let go of them, or gloo's
-    # threads outlive destroy_process_group, and one still letting go of the last collective's tensors at interpreter
-    # shutdown aborts the process ("terminate called without an active exception"). Private; torch 2.9 has none.
+    # torch 2.14's DTensor keeps the mesh in caches for good, and the mesh keeps its groups: let go
+    # of them, or gloo's threads outlive destroy_process_group, and one still letting go of the last
+    # collective's tensors at interpreter shutdown aborts the process ("terminate called without an
+    # active exception"). Private; torch 2.9 has none.
     getattr(mesh, "_pg_registry", {}).clear()
     dist.destroy_process_group()
 

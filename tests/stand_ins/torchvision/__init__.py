@@ -1,9 +1,10 @@
-"""torchvision's dataset download, as far as tests/test_hardening.py needs it: no network, and a witness.
+"""torchvision's dataset download, as far as tests/test_hardening.py needs it: no network, and a
+witness.
 
-``datasets.FashionMNIST(root, train=True, download=True)`` writes Fashion-MNIST-format IDX files (synthetic digits)
-into root/FashionMNIST/raw/ after a pause, as a slow download would; it refuses to run inside a process group
-(a download there would count against the collectives' timeout) and appends one line per download to
-root/downloads.log, so the test can count them.
+``datasets.FashionMNIST(root, train=True, download=True)`` writes Fashion-MNIST-format IDX files
+(synthetic digits) into root/FashionMNIST/raw/ after a pause, as a slow download would; it refuses
+to run inside a process group (a download there would count against the collectives' timeout) and
+appends one line per download to root/downloads.log, so the test can count them.
 """
 
 import os
