@@ -17,7 +17,6 @@ What FSDP changes compared with train_ddp.py:
 Every collective is called here, or in a call marked "collective" (every rank must make it).
 """
 
-import math
 import os
 
 import torch
@@ -121,7 +120,7 @@ def main():
         progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
         profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
         window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device
-        stop, stop_signal = failures.StopSignals(resumed["step"]), 0  # the signal agreed on
+        stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
         test_loss = test_accuracy = None  # stay None with --no-eval
         skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
         for epoch in range(resumed["epoch"], plan.epochs):
@@ -155,18 +154,12 @@ def main():
                 optimizer.step()
                 progress.count_step()
                 log_now = progress.is_logging_step(end_of_epoch=step_in_epoch == last - 1)
-                if log_now or stop.due(progress.step):  # and about once a second
-                    # A signal reaches the ranks at different steps: all stop at this one.
-                    agreed = stop.proposal(device)  # [signal or 0, -(steps to the next check)]
-                    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-                    stop_signal = stop.agree(agreed, progress.step)
+                # collective at logging steps and about once a second: the ranks agree on a stop
+                stop_signal = stop.agree_now(progress.step, log_now, device)
                 if log_now or stop_signal:  # one all-reduce per window: the mean over all ranks
                     dist.all_reduce(window_loss)
                     mean_loss = window_loss.item() / (window_count * world_size)
-                    if not math.isfinite(mean_loss):  # the same value on every rank: all stop
-                        raise checkpointer.diverged(
-                            progress.step, f"the training loss is {mean_loss}"
-                        )
+                    checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
                     grad_norm = norm.item() if args.max_grad_norm else None  # before clipping
                     progress.record_loss(mean_loss, "loss (all ranks)", lr, grad_norm)
                     window_loss.zero_()
@@ -174,8 +167,7 @@ def main():
                 profiler.after_step(progress.step)  # --profile-steps: starts or stops here
                 # Also at the last step: a job requeued after it finished has nothing left.
                 last_step = progress.step == plan.total_steps
-                due = stop_signal or last_step or progress.step % args.checkpoint_every == 0
-                if args.checkpoint_dir and due:
+                if checkpointer.is_due(progress.step, now=stop_signal or last_step):
                     for buffer in model.buffers():  # each rank's statistics: rank 0's are saved
                         dist.broadcast(buffer, src=0)
                     done = (step_in_epoch + 1) * plan.global_batch_size
@@ -185,9 +177,7 @@ def main():
                         progress.step, position, model, optimizer, plan.peak_lr, window_loss
                     )
                 if stop_signal and not last_step:  # at the last step it just finishes
-                    raise stop.stopped(
-                        stop_signal, progress.step, plan.total_steps, args.checkpoint_dir
-                    )
+                    raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
 
             # ---- evaluate: each rank scores a slice of the test set; the sums are all-reduced ----
             if args.no_eval:
@@ -199,31 +189,28 @@ def main():
             totals = training.evaluate(model, test_batches, rank, world_size)
             dist.all_reduce(totals)
             test_loss, test_accuracy = (totals[:2] / totals[2]).tolist()
-            progress.record_test(test_loss, test_accuracy)  # --log-dir's row
             for module in model.modules():  # no backward follows to free what these gathered
                 if isinstance(module, FSDPModule):  # (the last block; every block with grad-op)
                     module.reshard()
-            log(
-                f"epoch {epoch + 1}: step {progress.step}, train loss "
-                f"{progress.final_train_loss:.4f} (all ranks), test loss {test_loss:.4f}, "
-                f"test accuracy {test_accuracy:.2%}"
-            )
+            progress.record_test(test_loss, test_accuracy)  # the epoch's line, and a row
         progress.close()  # the bar's last state stays on the screen
 
         # ---- save: every rank sends its shards; rank 0 gets the full state dict and writes ----
-        if args.save:  # collective: whatever rank 0's write raises, every rank raises
+        if args.save:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             full_state = get_model_state_dict(model, options=options)  # collective
             write = lambda: checkpoints.save_state_dict(full_state, args.save)  # noqa: E731
+            # collective: whatever rank 0's write raises, every rank raises
             failures.on_rank_0(write, "writing --save")
             log(f"saved the weights to {args.save}")
-        if args.metrics:  # collective: rank 0 gathers every rank's memory and writes the file
+        if args.metrics:
             run = {"strategy": "fsdp", "global_batch_size": plan.global_batch_size}
             run |= {"sharding": args.sharding, "mesh": list(mesh.shape)}
             run |= {"activation_checkpointing": args.activation_checkpointing}
             run |= {"test_loss": test_loss, "test_accuracy": test_accuracy}
             run |= {"param_count": param_count, "dataset": dataset_name, "peak_lr": plan.peak_lr}
             memory = watch.memory(model, optimizer, device)
+            # collective: rank 0 gathers every rank's memory and writes the file
             watch.write_metrics(args.metrics, run, memory, progress, flops, args, device)
     finally:
         if progress:  # the CSV and TensorBoard's events are closed however the run ends

@@ -3,6 +3,7 @@
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -141,6 +142,9 @@ class Checkpointer:
         self.layout |= {"global_batch_size": global_batch_size, "device": device.type}
         self.branch = None  # (rank 0's) the --resume-from this run's checkpoints descend from
 
+    def is_due(self, step, now):  # at every --checkpoint-every steps, or ``now``
+        return bool(self.directory) and (now or step % self.args.checkpoint_every == 0)
+
     def save(self, step, position, model, optimizer, peak_lr, window_loss):
         """Collective: save ``step-<N>``, if every weight, state and the loss are finite.
 
@@ -196,6 +200,12 @@ class Checkpointer:
                 "fix that, and the same command resumes from them"
             )
         return Retryable(f"{line}; the ones saved before it are intact")
+
+    def refuse_divergence(self, step, loss):
+        """Raise ``diverged``'s UsageError if the loss is not finite (the same value on every rank:
+        all raise it at this step)."""
+        if not math.isfinite(loss):
+            raise self.diverged(step, f"the training loss is {loss}")
 
     def diverged(self, step, what):
         """The UsageError of a run that diverged at ``step``, naming the newest checkpoint.

@@ -212,7 +212,7 @@ class StopSignals:
     SECONDS = 1.0  # of training between two agreements: the most a stop waits
 
     def __init__(self, start_step):
-        self.received = 0
+        self.received = self.agreed = 0
         self.next_check, self.steps = start_step + 1, 1  # after the first step, then each second
         self.clock = None  # (time, step) of the last agreement
         read, write = os.pipe()
@@ -234,15 +234,22 @@ class StopSignals:
                     say(f"{name} again: rank {rank} ends now, with no checkpoint", 0)
                     os._exit(128 + number)
 
-    def due(self, step):  # the same answer on every rank: agreed at the last agreement
-        return step >= self.next_check
+    def agree_now(self, step, logging_step, device):
+        """Collective at ``logging_step``s and about once a second: the signal to stop on, or 0.
 
-    def proposal(self, device):
-        """To all-reduce with MAX: [the signal received here or 0, -(steps to the next check)]."""
-        return torch.tensor([self.received, -self.steps], device=device)
+        A signal reaches the ranks at different steps: they compare here (an all-reduce of
+        [the signal received here or 0, -(steps to the next check)] with MAX), and all stop at
+        the same step. Elsewhere 0, with no collective: the steps are the same on every rank.
+        """
+        if not (logging_step or step >= self.next_check):
+            return 0
+        agreed = torch.tensor([self.received, -self.steps], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        self.agreed = self.agree(agreed, step)
+        return self.agreed
 
     def agree(self, agreed, step):
-        """The signal the ranks agreed on (0: none), after ``proposal``'s all-reduce.
+        """The signal the ranks agreed on (0: none), from ``agree_now``'s all-reduce.
 
         The next agreement comes after the fewest steps any rank proposed: this rank proposes
         about SECONDS' worth by its clock (at most twice as many as now, for a slow start).
@@ -255,12 +262,13 @@ class StopSignals:
         self.clock, self.next_check = (now, step), step - steps
         return number
 
-    @staticmethod
-    def stopped(number, step, total_steps, checkpoint_dir):
-        """The Stopped to raise: 128 + the signal's exit code, which schedulers requeue."""
+    def stopped(self, step, total_steps, checkpoint_dir):
+        """The Stopped to raise: exit code 128 + the signal, which schedulers requeue."""
         if checkpoint_dir:
             saved = f"checkpoint step-{step} is in {checkpoint_dir}; the same command resumes there"
         else:
             saved = "nothing was saved (no --checkpoint-dir)"
-        name = signal.Signals(number).name
-        return Stopped(f"stopped by {name} at step {step} of {total_steps}: {saved}", 128 + number)
+        name = signal.Signals(self.agreed).name
+        return Stopped(
+            f"stopped by {name} at step {step} of {total_steps}: {saved}", 128 + self.agreed
+        )

@@ -40,6 +40,7 @@ class Progress:
         self.global_batch_size = plan.global_batch_size
         self.start_step = self.step = start_step  # a resumed run counts on from its checkpoint
         self.train_seconds, self.loss_curve, self.final_train_loss = 0.0, [], float("nan")
+        self.whose = ""  # whose the logged loss is, as record_loss's label says
         self.grad_norms = []  # [step, the norm before clipping] at each logging step, if clipped
         self.synchronize = torch.accelerator.synchronize if device.type != "cpu" else lambda: None
         self.bar = tqdm(
@@ -70,7 +71,7 @@ class Progress:
         self.synchronize()
         now = time.perf_counter()
         self.train_seconds, self.started = self.train_seconds + now - self.started, now
-        self.final_train_loss = loss
+        self.final_train_loss, self.whose = loss, label.removeprefix("loss ")  # "(all ranks)"
         self.loss_curve.append([self.step, loss, self.train_seconds])
         norm = ""
         if grad_norm is not None:
@@ -91,14 +92,14 @@ class Progress:
                 samples_per_second=self.rate(),
             )
 
-    def record_test(self, test_loss, test_accuracy):  # the evaluation's row in --log-dir
+    def record_test(self, test_loss, test_accuracy):  # the epoch's line, and its row
+        log(
+            f"epoch {self.epoch + 1}: step {self.step}, train loss {self.final_train_loss:.4f} "
+            f"{self.whose}, test loss {test_loss:.4f}, test accuracy {test_accuracy:.2%}"
+        )
         if self.rows:
-            self.rows.write(
-                step=self.step,
-                epoch=self.epoch + 1,
-                test_loss=test_loss,
-                test_accuracy=test_accuracy,
-            )
+            row = {"step": self.step, "epoch": self.epoch + 1, "test_loss": test_loss}
+            self.rows.write(**row, test_accuracy=test_accuracy)
 
     def close(self):  # the bar's last state stays on the screen; the files are closed
         self.bar.close()
@@ -148,7 +149,8 @@ class MetricsLog:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             self.events = None
-            log(f"--log-dir: writing {self.path}; no TensorBoard events (pip install tensorboard)")
+            no_events = "no TensorBoard events (pip install tensorboard for them)"
+            log(f"--log-dir: writing {self.path}; {no_events}")
         else:  # purge_step: drops the events after the checkpoint
             self.events = SummaryWriter(directory, purge_step=start_step + 1)
 

@@ -24,8 +24,9 @@ SCRIPTS = ["train_ddp.py", "train_fsdp.py", "train_pippy.py"]
 # does not grow back.
 MAX_FORMATTED = {"train_ddp.py": 1460, "train_fsdp.py": 1570, "train_pippy.py": 1750}
 # Collective calls outside the scripts: 7 since issue 42, whose --init-from broadcasts (behind a call marked
-# collective) and whose plumbing/consolidate.py calls dcp.load without a process group (no collective there).
-MAX_HIDDEN_COLLECTIVES = 7
+# collective) and whose plumbing/consolidate.py calls dcp.load without a process group (no collective there);
+# 8 since issue 41 gathered --metrics' per-rank figures in one place (watch.write_metrics, marked collective).
+MAX_HIDDEN_COLLECTIVES = 8
 # The collectives of torch.distributed, and DCP's save and load, which are collectives too.
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
                "broadcast_object_list", "barrier", "monitored_barrier", "gather", "gather_object", "scatter",
@@ -240,7 +241,7 @@ def collective_calls(path):
             and isinstance(node.func.value, ast.Name) and node.func.value.id in ("dist", "dcp")]
 
 
-def test_at_most_seven_collectives_live_outside_the_scripts():
+def test_at_most_eight_collectives_live_outside_the_scripts():
     hidden = {p.relative_to(ROOT).as_posix(): collective_calls(p) for p in sorted([*ROOT.glob("plumbing/*.py"),
                                                                                      *ROOT.glob("models/*.py")])}
     assert sum(len(calls) for calls in hidden.values()) <= MAX_HIDDEN_COLLECTIVES, hidden
