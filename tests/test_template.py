@@ -1,4 +1,5 @@
-"""A script copied into an empty project as the README says, and what a copy costs: lines and hidden collectives."""
+"""A script copied into an empty project as the README says, and what a copy costs: lines and hidden
+collectives."""
 
 import ast
 import json
@@ -10,27 +11,56 @@ import sys
 
 import pytest
 import torch
-
 from conftest import (
-    CONTROL_FLOOR, ROOT, TOLERANCE, Run, assert_one_line_error, child_env, launcher_env, load_weights, max_difference,
-    relative_difference, succeeded, wait_for, worker_pids,
+    CONTROL_FLOOR,
+    ROOT,
+    TOLERANCE,
+    Run,
+    assert_one_line_error,
+    child_env,
+    launcher_env,
+    load_weights,
+    max_difference,
+    relative_difference,
+    succeeded,
+    wait_for,
+    worker_pids,
 )
+
 from plumbing import failures, training
 
 SCRIPTS = ["train_ddp.py", "train_fsdp.py", "train_pippy.py"]
 # What a copy reads besides the script, its model and its data, and the script itself, formatted by
-# `ruff format --line-length 100`: 1,457 lines for a DDP copy when issue 41 cut plumbing/ by concern
+# `ruff format --line-length 100`: 1,471 lines for a DDP copy once issue 41 cut plumbing/ by concern
 # (1,725 before); issue 41 asks for at most 1,150 (DDP) and 1,300 (the others). Held here so that it
 # does not grow back.
-MAX_FORMATTED = {"train_ddp.py": 1460, "train_fsdp.py": 1570, "train_pippy.py": 1750}
-# Collective calls outside the scripts: 7 since issue 42, whose --init-from broadcasts (behind a call marked
-# collective) and whose plumbing/consolidate.py calls dcp.load without a process group (no collective there);
-# 8 since issue 41 gathered --metrics' per-rank figures in one place (watch.write_metrics, marked collective).
+MAX_FORMATTED = {"train_ddp.py": 1471, "train_fsdp.py": 1578, "train_pippy.py": 1759}
+# Collective calls outside the scripts: 7 since issue 42, whose --init-from broadcasts (behind a
+# call marked collective) and whose plumbing/consolidate.py calls dcp.load without a process group
+# (no collective there); 8 since issue 41 gathered --metrics' per-rank figures in one place
+# (watch.write_metrics, marked collective).
 MAX_HIDDEN_COLLECTIVES = 8
 # The collectives of torch.distributed, and DCP's save and load, which are collectives too.
-COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
-               "broadcast_object_list", "barrier", "monitored_barrier", "gather", "gather_object", "scatter",
-               "scatter_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "save", "load"}
+COLLECTIVES = {
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "monitored_barrier",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "save",
+    "load",
+}
 
 
 def copy_section():
@@ -43,8 +73,8 @@ def fenced(section, language):
 
 
 def apply_diff(text, diff):
-    """Apply a README ```diff block: each run of '-' lines (found once in ``text``) becomes the '+' lines after it;
-    any other line (" ...") ends a run."""
+    """Apply a README ```diff block: each run of '-' lines (found once in ``text``) becomes the '+'
+    lines after it; any other line (" ...") ends a run."""
     hunks = []
     for line in diff.splitlines():
         if line[:1] not in ("-", "+"):
@@ -62,13 +92,19 @@ def apply_diff(text, diff):
 
 
 def make_copy(home, scripts):
-    """The README's recipe in an empty ``home``: its copy commands (and ``scripts`` copied likewise), the user's model
-    and data file, the diff applied to each script. Returns the project's directory and the user's file."""
+    """The README's recipe in an empty ``home``: its copy commands (and ``scripts`` copied
+    likewise), the user's model and data file, the diff applied to each script. Returns the
+    project's directory and the user's file."""
     section = copy_section()
     (copy_commands,), (user_file,) = fenced(section, "bash"), fenced(section, "python")
     (diff,) = fenced(section, "diff")
     more = "".join(f"cp {script} ~/myproject/\n" for script in scripts if script != "train_ddp.py")
-    subprocess.run(["bash", "-euc", copy_commands + more], cwd=ROOT, env={**child_env(), "HOME": str(home)}, check=True)
+    subprocess.run(
+        ["bash", "-euc", copy_commands + more],
+        cwd=ROOT,
+        env={**child_env(), "HOME": str(home)},
+        check=True,
+    )
     project = home / "myproject"
     (project / "mymodel.py").write_text(user_file)
     for script in scripts:
@@ -84,16 +120,23 @@ def copy_command():
 @pytest.mark.slow  # a launch killed and restarted, twice
 @pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp.py"])
 def test_a_copy_killed_mid_run_resumes_bitwise_running_statistics_included(script, tmp_path):
-    """The README's copy, run as the README says (its launcher, MAX_RESTARTS=1): rank 1 killed after step-40's
-    checkpoint, the job restarts, resumes and ends with bitwise the weights and BatchNorm running statistics of a run
-    never killed. Each rank's statistics are its own (its own samples); the old plumbing saved whichever rank's DCP
-    picked for each tensor, and a resume then went on from rank 1's for some. The copy's bad input is one line."""
+    """The README's copy, run as the README says (its launcher, MAX_RESTARTS=1): rank 1 killed after
+    step-40's checkpoint, the job restarts, resumes and ends with bitwise the weights and BatchNorm
+    running statistics of a run never killed. Each rank's statistics are its own (its own samples);
+    the old plumbing saved whichever rank's DCP picked for each tensor, and a resume then went on
+    from rank 1's for some. The copy's bad input is one line."""
     project, _ = make_copy(tmp_path, [script])
     command = [arg.replace("train_ddp.py", script) for arg in copy_command()]
     common = ["--log-every", "10", "--checkpoint-every", "20", "--no-eval"]
     env = launcher_env(NPROC_PER_NODE=2, MAX_RESTARTS=1, PYTHONPATH=project)
-    never = Run([*command, *common, "--checkpoint-dir", "never", "--save", "never.pt"], env=env, cwd=project)
-    killed = Run([*command, *common, "--checkpoint-dir", "killed", "--save", "killed.pt"], env=env, cwd=project)
+    never = Run(
+        [*command, *common, "--checkpoint-dir", "never", "--save", "never.pt"], env=env, cwd=project
+    )
+    killed = Run(
+        [*command, *common, "--checkpoint-dir", "killed", "--save", "killed.pt"],
+        env=env,
+        cwd=project,
+    )
     wait_for(project / "killed" / "step-40", killed)
     os.kill(worker_pids(killed.process.pid)[1], signal.SIGKILL)
     succeeded(never)
@@ -101,52 +144,105 @@ def test_a_copy_killed_mid_run_resumes_bitwise_running_statistics_included(scrip
     assert "resumed from killed/step-" in killed.output, killed.output
     final, reference = load_weights(project / "killed.pt"), load_weights(project / "never.pt")
     assert "blocks.1.running_mean" in final and "blocks.1.running_var" in final
-    assert max_difference(final, reference) == 0, {name: (final[name] - reference[name]).abs().max().item()
-                                                   for name in final if not torch.equal(final[name], reference[name])}
-    assert_one_line_error(Run([*command, "--width", "7"], env=env, cwd=project).wait(), "unrecognized arguments: "
-                          "--width 7")
+    assert max_difference(final, reference) == 0, {
+        name: (final[name] - reference[name]).abs().max().item()
+        for name in final
+        if not torch.equal(final[name], reference[name])
+    }
+    assert_one_line_error(
+        Run([*command, "--width", "7"], env=env, cwd=project).wait(),
+        "unrecognized arguments: --width 7",
+    )
 
 
 @pytest.mark.slow  # the README's recipe run, as the docs' exercises are (pytest.ini)
 @pytest.mark.pages
 def test_a_copied_script_trains_another_model_on_other_data(tmp_path):
-    """The README's recipe, for all three scripts: its model is stock PyTorch (default init, BatchNorm), not BabyCNN,
-    and its data a map-style Dataset read through a DataLoader. Each copy learns. In float64 the FSDP copy on 2 ranks
-    ends with the DDP copy's weights and running statistics, and the same test loss (both evaluate with rank 0's
-    statistics); so does the pipeline copy on 4 ranks, 2 stages x 2 replicas, in 2 microbatches a step beside the
-    others' 2 micro-steps (BatchNorm normalises the same 32 samples at a time, and the replicas evaluate with replica
-    0's statistics: without that, the test loss is 5e-3 away). The control: the FSDP copy from other initial
-    weights (--seed 1; a stock init run on meta-built shards gives such a model other weights too), on one process,
-    lands far away. The flags of the bundled model and data are refused in the copy, in one line."""
+    """The README's recipe, for all three scripts: its model is stock PyTorch (default init,
+    BatchNorm), not BabyCNN, and its data a map-style Dataset read through a DataLoader. Each copy
+    learns. In float64 the FSDP copy on 2 ranks ends with the DDP copy's weights and running
+    statistics, and the same test loss (both evaluate with rank 0's statistics); so does the
+    pipeline copy on 4 ranks, 2 stages x 2 replicas, in 2 microbatches a step beside the others' 2
+    micro-steps (BatchNorm normalises the same 32 samples at a time, and the replicas evaluate with
+    replica 0's statistics: without that, the test loss is 5e-3 away). The control: the FSDP copy
+    from other initial weights (--seed 1; a stock init run on meta-built shards gives such a model
+    other weights too), on one process, lands far away. The flags of the bundled model and data are
+    refused in the copy, in one line."""
     section = copy_section()
     project, user_file = make_copy(tmp_path, SCRIPTS)
     assert not (project / "models").exists()  # no BabyCNN, no bundled data: not needed
     command = re.search(r"`(torchrun [^`]*train_ddp\.py[^`]*)`", section).group(1).split()
-    env = child_env(PYTHONPATH=project)  # the copy's own models/ and plumbing/, not this repository's
+    env = child_env(
+        PYTHONPATH=project
+    )  # the copy's own models/ and plumbing/, not this repository's
     exact = ["--precision", "fp64", "--log-every", "10"]
-    accumulate = ["--batch-size", "32", "--grad-accum", "2"]  # 32 samples a forward, global batch 2 x 64
-    layouts = {"train_ddp.py": accumulate, "train_fsdp.py": accumulate,
-               "train_pippy.py": ["--data-parallel", "2", "--batch-size", "64", "--microbatches", "2"]}
+    accumulate = [
+        "--batch-size",
+        "32",
+        "--grad-accum",
+        "2",
+    ]  # 32 samples a forward, global batch 2 x 64
+    layouts = {
+        "train_ddp.py": accumulate,
+        "train_fsdp.py": accumulate,
+        "train_pippy.py": ["--data-parallel", "2", "--batch-size", "64", "--microbatches", "2"],
+    }
     runs = {}
     for script, layout in layouts.items():
         args = [arg.replace("train_ddp.py", script) for arg in command[1:]]
         if script == "train_pippy.py":  # 4 ranks: 2 stages x 2 replicas
             args = [arg.replace("--nproc-per-node=2", "--nproc-per-node=4") for arg in args]
-        runs[script] = Run([sys.executable, "-m", "torch.distributed.run", *args, *exact, *layout, "--save",
-                            f"{script}.pt", "--metrics", f"{script}.json"], env=env, cwd=project)
-    control = Run([sys.executable, "train_fsdp.py", *command[command.index("train_ddp.py") + 1:], *exact,
-                   "--seed", "1", "--save", "control.pt"], env=env, cwd=project)
+        runs[script] = Run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                *args,
+                *exact,
+                *layout,
+                "--save",
+                f"{script}.pt",
+                "--metrics",
+                f"{script}.json",
+            ],
+            env=env,
+            cwd=project,
+        )
+    control = Run(
+        [
+            sys.executable,
+            "train_fsdp.py",
+            *command[command.index("train_ddp.py") + 1 :],
+            *exact,
+            "--seed",
+            "1",
+            "--save",
+            "control.pt",
+        ],
+        env=env,
+        cwd=project,
+    )
     metrics = {}
     for script, run in runs.items():
         succeeded(run)
         metrics[script] = json.loads((project / f"{script}.json").read_text())
-        assert metrics[script]["dataset"] == "clusters" and metrics[script]["global_batch_size"] == 2 * 64
+        assert (
+            metrics[script]["dataset"] == "clusters"
+            and metrics[script]["global_batch_size"] == 2 * 64
+        )
         # the copy's model, not BabyCNN: two linear layers and BatchNorm's scale and shift
         assert metrics[script]["param_count"] == 2 * 64 + 64 + 2 * 64 + 64 * 4 + 4
         assert metrics[script]["test_accuracy"] > 0.9, metrics[script]  # chance is 0.25
-    assert "DDP on 2 rank(s)" in runs["train_ddp.py"].output and "FSDP (full" in runs["train_fsdp.py"].output
-    # Cut where the FLOPs balance: the first Linear, then BatchNorm, ReLU and the second Linear (twice its FLOPs)
-    assert "2 stages: blocks [[0], [1, 2, 3]]) x 2 replica(s) on 4 rank(s)" in runs["train_pippy.py"].output
+    assert (
+        "DDP on 2 rank(s)" in runs["train_ddp.py"].output
+        and "FSDP (full" in runs["train_fsdp.py"].output
+    )
+    # Cut where the FLOPs balance: the first Linear, then BatchNorm, ReLU and the second Linear
+    # (twice its FLOPs)
+    assert (
+        "2 stages: blocks [[0], [1, 2, 3]]) x 2 replica(s) on 4 rank(s)"
+        in runs["train_pippy.py"].output
+    )
     succeeded(control)
     ddp, fsdp, pipeline = (load_weights(project / f"{script}.pt") for script in layouts)
     assert "blocks.1.running_mean" in fsdp
@@ -155,15 +251,28 @@ def test_a_copied_script_trains_another_model_on_other_data(tmp_path):
     torch.manual_seed(0)
     initial = user["Net"]().double().state_dict()
     assert relative_difference(load_weights(project / "control.pt"), ddp, initial) > CONTROL_FLOOR
-    # Test losses: summed in float32 (training.evaluate), the pipeline's in batches of 64, not 512: 1e-8 apart
-    for script, weights, loss_tolerance in (("train_fsdp.py", fsdp, 1e-9), ("train_pippy.py", pipeline, 1e-6)):
+    # Test losses: summed in float32 (training.evaluate), the pipeline's in batches of 64, not 512:
+    # 1e-8 apart
+    for script, weights, loss_tolerance in (
+        ("train_fsdp.py", fsdp, 1e-9),
+        ("train_pippy.py", pipeline, 1e-6),
+    ):
         assert relative_difference(weights, ddp, initial) < TOLERANCE, script
-        assert metrics[script]["test_loss"] == pytest.approx(metrics["train_ddp.py"]["test_loss"],
-                                                             rel=loss_tolerance), script
-    # The copy's parser is training.parser alone (the diff above): the bundled model's and data's flags are unknown there.
+        assert metrics[script]["test_loss"] == pytest.approx(
+            metrics["train_ddp.py"]["test_loss"], rel=loss_tolerance
+        ), script
+    # The copy's parser is training.parser alone (the diff above): the bundled model's and data's
+    # flags are unknown there.
     assert "training.parser(__doc__.splitlines()[0])" in (project / "train_ddp.py").read_text()
-    for flags in (["--width", "7"], ["--dataset", "cifar10"], ["--data-dir", "mine"], ["--no-download"]):
-        with pytest.raises(failures.UsageError, match=f"^unrecognized arguments: {' '.join(flags)} "):
+    for flags in (
+        ["--width", "7"],
+        ["--dataset", "cifar10"],
+        ["--data-dir", "mine"],
+        ["--no-download"],
+    ):
+        with pytest.raises(
+            failures.UsageError, match=f"^unrecognized arguments: {' '.join(flags)} "
+        ):
             training.parser("").parse_args(flags)
 
 
@@ -187,15 +296,20 @@ class MoreThanBlocks(Blocks):
         return torch.relu(self.blocks(x))
 
 
-@pytest.mark.parametrize("model_class, error", [
-    (NoBlocks, "train_pippy.py cuts model.blocks into stages: give your model a blocks"),
-    (MoreThanBlocks, "but your model's forward does more than run its blocks in order"),
-])
+@pytest.mark.parametrize(
+    "model_class, error",
+    [
+        (NoBlocks, "train_pippy.py cuts model.blocks into stages: give your model a blocks"),
+        (MoreThanBlocks, "but your model's forward does more than run its blocks in order"),
+    ],
+)
 def test_a_pipeline_copy_refuses_a_model_it_cannot_cut_into_stages(model_class, error):
-    """train_pippy.py cuts model.blocks into stages, so a copy's model must have blocks and run only them: a model
-    that does not is refused with a UsageError (one line, exit 2), before it trains another model than one process
-    would. The control: the same model with its forward only the blocks is cut."""
+    """train_pippy.py cuts model.blocks into stages, so a copy's model must have blocks and run only
+    them: a model that does not is refused with a UsageError (one line, exit 2), before it trains
+    another model than one process would. The control: the same model with its forward only the
+    blocks is cut."""
     from train_pippy import block_flops
+
     sample = torch.randn(1, 2)
     with pytest.raises(failures.UsageError, match=error):
         block_flops(model_class(), sample)
@@ -203,7 +317,8 @@ def test_a_pipeline_copy_refuses_a_model_it_cannot_cut_into_stages(model_class, 
 
 
 def project_imports(path, seen=None):
-    """The repository's own files that ``path`` imports, transitively (torch and the standard library aside)."""
+    """The repository's own files that ``path`` imports, transitively (torch and the standard
+    library aside)."""
     seen = set() if seen is None else seen
     for node in ast.walk(ast.parse(path.read_text())):
         names = []
@@ -227,36 +342,60 @@ def test_a_copy_reads_at_most_its_budget_of_formatted_lines(script):
     assert {"plumbing/training.py", "plumbing/watch.py", "plumbing/checkpoints.py"} <= names, names
     lines = 0
     for path in [ROOT / script, *carried]:  # counted as ruff formats them, not as written
-        formatted = subprocess.run(["ruff", "format", "--line-length", "100", "--stdin-filename", path.name, "-"],
-                                   input=path.read_text(), capture_output=True, text=True, check=True).stdout
+        formatted = subprocess.run(
+            ["ruff", "format", "--line-length", "100", "--stdin-filename", path.name, "-"],
+            input=path.read_text(),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert max(map(len, formatted.splitlines()), default=0) <= 100, path
         lines += len(formatted.splitlines())
     assert lines <= MAX_FORMATTED[script], (script, lines)
 
 
 def collective_calls(path):
-    """(line, name) of every collective called in ``path`` through torch.distributed (dist) or DCP (dcp)."""
-    return [(node.lineno, node.func.attr) for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES
-            and isinstance(node.func.value, ast.Name) and node.func.value.id in ("dist", "dcp")]
+    """(line, name) of every collective called in ``path`` through torch.distributed (dist) or DCP
+    (dcp)."""
+    return [
+        (node.lineno, node.func.attr)
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in COLLECTIVES
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id in ("dist", "dcp")
+    ]
 
 
 def test_at_most_eight_collectives_live_outside_the_scripts():
-    hidden = {p.relative_to(ROOT).as_posix(): collective_calls(p) for p in sorted([*ROOT.glob("plumbing/*.py"),
-                                                                                     *ROOT.glob("models/*.py")])}
+    hidden = {
+        p.relative_to(ROOT).as_posix(): collective_calls(p)
+        for p in sorted([*ROOT.glob("plumbing/*.py"), *ROOT.glob("models/*.py")])
+    }
     assert sum(len(calls) for calls in hidden.values()) <= MAX_HIDDEN_COLLECTIVES, hidden
 
 
 def collective_functions():
-    """Names of the functions and methods outside the scripts that run a collective, directly or through another."""
+    """Names of the functions and methods outside the scripts that run a collective, directly or
+    through another."""
     functions = {}
     for path in [*ROOT.glob("plumbing/*.py"), *ROOT.glob("models/*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef):
                 # Calls resolved by name only where the name is this file's: f(...) and self.f(...).
-                calls = {c.func.id if isinstance(c.func, ast.Name) else c.func.attr for c in ast.walk(node)
-                         if isinstance(c, ast.Call) and (isinstance(c.func, ast.Name) or (
-                             isinstance(c.func, ast.Attribute) and getattr(c.func.value, "id", None) == "self"))}
+                calls = {
+                    c.func.id if isinstance(c.func, ast.Name) else c.func.attr
+                    for c in ast.walk(node)
+                    if isinstance(c, ast.Call)
+                    and (
+                        isinstance(c.func, ast.Name)
+                        or (
+                            isinstance(c.func, ast.Attribute)
+                            and getattr(c.func.value, "id", None) == "self"
+                        )
+                    )
+                }
                 functions[node.name] = (calls, bool(collective_calls_in(node)))
     found = {name for name, (_, direct) in functions.items() if direct}
     while True:
@@ -267,21 +406,41 @@ def collective_functions():
 
 
 def collective_calls_in(node):
-    return [c for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
-            and c.func.attr in COLLECTIVES and isinstance(c.func.value, ast.Name) and c.func.value.id in ("dist", "dcp")]
+    return [
+        c
+        for c in ast.walk(node)
+        if isinstance(c, ast.Call)
+        and isinstance(c.func, ast.Attribute)
+        and c.func.attr in COLLECTIVES
+        and isinstance(c.func.value, ast.Name)
+        and c.func.value.id in ("dist", "dcp")
+    ]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_call_that_leads_to_a_collective_says_so(script):
     hidden = collective_functions()
-    assert {"load", "save", "resume", "check_outputs"} <= hidden  # data.load, Checkpointer.save, ..., at least
+    assert {
+        "load",
+        "save",
+        "resume",
+        "check_outputs",
+    } <= hidden  # data.load, Checkpointer.save, ..., at least
     lines = (ROOT / script).read_text().splitlines()
     unmarked = []
     for node in ast.walk(ast.parse("\n".join(lines))):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in hidden
-                and isinstance(node.func.value, ast.Name) and node.func.value.id in ("data", "training", "watch", "checkpoints", "failures", "checkpointer")):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in hidden
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id
+            in ("data", "training", "watch", "checkpoints", "failures", "checkpointer")
+        ):
             # the call's line says so, or the comment line just above it
-            said = lines[node.lineno - 1] + (lines[node.lineno - 2] if lines[node.lineno - 2].strip().startswith("#") else "")
+            said = lines[node.lineno - 1] + (
+                lines[node.lineno - 2] if lines[node.lineno - 2].strip().startswith("#") else ""
+            )
             if "collective" not in said.lower():
                 unmarked.append((node.lineno, lines[node.lineno - 1].strip()))
     assert not unmarked, unmarked
