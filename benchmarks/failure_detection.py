@@ -1,4 +1,4 @@
-"""How long a dead rank goes unnoticed: SIGKILL rank 1 of a 2-rank DDP job mid-training, time the rest.
+"""How long a dead rank goes unnoticed: SIGKILL rank 1 of a training 2-rank DDP job, time the rest.
 
     python benchmarks/failure_detection.py              # 5 trials, about a minute on 2 cores
     python benchmarks/failure_detection.py --trials 10
