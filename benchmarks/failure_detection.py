@@ -103,9 +103,8 @@ def trial(train_seconds, timeout):
     reader.start()
     try:
         deadline = time.monotonic() + timeout
-        while not any(
-            "DDP on 2 rank(s)" in line for _, line in lines
-        ):  # its last line before training
+        # its last line before training
+        while not any("DDP on 2 rank(s)" in line for _, line in lines):
             if job.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(
                     "the job never started training:\n" + "".join(line for _, line in lines)[-3000:]

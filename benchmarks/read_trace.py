@@ -29,9 +29,8 @@ KINDS = {
     "send": "send",
     "recv_": "recv",
 }
-BACKWARD = re.compile(
-    r"^\w+Backward\d*$"
-)  # autograd's math (ConvolutionBackward0), not its bookkeeping
+# autograd's math (ConvolutionBackward0), not its bookkeeping
+BACKWARD = re.compile(r"^\w+Backward\d*$")
 
 
 def read_rank(path):
