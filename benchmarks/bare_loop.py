@@ -1,11 +1,12 @@
-"""The compute limit for train_ddp.py on one process: forward, backward and step over pre-made
+r"""The compute limit for train_ddp.py on one process: forward, backward and step over pre-made
 batches of the same model and data, and nothing else. Prints a JSON line with samples/s and the time
 of a step.
 
     OMP_NUM_THREADS=1 python benchmarks/bare_loop.py --steps 300 --batch-size 64
     # the host's cost per step
     OMP_NUM_THREADS=1 python benchmarks/bare_loop.py --steps 2000 --batch-size 1 [--ddp]
-    python benchmarks/bare_loop.py --device cuda --steps 1000 --batch-size 512 [--precision bf16] [--compile] [--ddp]
+    python benchmarks/bare_loop.py --device cuda --steps 1000 --batch-size 512 \
+        [--precision bf16] [--compile] [--ddp]
 
 --ddp wraps the model in DDP on a process group of one, which train_ddp.py skips on one process: the
 difference from the same command without it is what DDP's hooks cost a step when there is nothing to

@@ -6,10 +6,10 @@ The same model, optimizer and batch as train_ddp.py, with pre-made batches. Per 
 when each rank's last gradient is ready (DDP's all-reduce of the single bucket starts then) and when
 backward returns (the all-reduce is done). The ranks share one clock (time.perf_counter is
 CLOCK_MONOTONIC on Linux), so the times compare across processes of one machine, not across nodes.
-  compute_ms       forward + backward up to the last gradient, per rank
-  wait_ms          how long a rank's gradients wait for the slower rank's: mean of (latest - own)
-  allreduce_ms     from the slower rank's last gradient to the end of backward: the exchange itself
-  idle_allreduce_ms  the same all-reduce (all the gradients, and 1 float) between otherwise idle ranks
+  compute_ms         forward + backward up to the last gradient, per rank
+  wait_ms            how long a rank's gradients wait for the slower rank's: mean of (latest - own)
+  allreduce_ms       from the slower rank's last gradient to the end of backward: the exchange
+  idle_allreduce_ms  the same all-reduce (all the gradients, and 1 float) between idle ranks
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""How often a finished run dies at interpreter exit, and how many threads outlive destroy_process_group.
+"""How often finished runs die at interpreter exit; how many threads outlive destroy_process_group.
 
     python benchmarks/exit_aborts.py  # 200 launches, 4 at a time: about 25 minutes on 2 cores
     python benchmarks/exit_aborts.py --launches 100 --parallel 4

@@ -1,4 +1,4 @@
-"""How long a dead rank goes unnoticed: SIGKILL rank 1 of a 2-rank DDP job mid-training, time the rest.
+"""How long a dead rank goes unnoticed: SIGKILL rank 1 of a training 2-rank DDP job, time the rest.
 
     python benchmarks/failure_detection.py              # 5 trials, about a minute on 2 cores
     python benchmarks/failure_detection.py --trials 10
@@ -103,9 +103,8 @@ def trial(train_seconds, timeout):
     reader.start()
     try:
         deadline = time.monotonic() + timeout
-        while not any(
-            "DDP on 2 rank(s)" in line for _, line in lines
-        ):  # its last line before training
+        # its last line before training
+        while not any("DDP on 2 rank(s)" in line for _, line in lines):
             if job.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(
                     "the job never started training:\n" + "".join(line for _, line in lines)[-3000:]

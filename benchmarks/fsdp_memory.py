@@ -1,6 +1,7 @@
-"""Peak tensor bytes per rank of an FSDP training step, by kind, counted tensor by tensor.
+r"""Peak tensor bytes per rank of an FSDP training step, by kind, counted tensor by tensor.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=2 benchmarks/fsdp_memory.py --sharding grad-op --width 32
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=2 benchmarks/fsdp_memory.py \
+        --sharding grad-op --width 32
 
 Wraps BabyCNN with train_fsdp.py's own make_mesh() and shard() (fully_shard per block, the same
 reshard_after_forward and optional checkpoint_wrapper) and the scripts' AdamW, runs --steps
@@ -25,6 +26,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import premade  # noqa: E402
+
 from models import BabyCNN  # noqa: E402
 from train_fsdp import make_mesh, shard  # noqa: E402
 
@@ -34,7 +36,12 @@ parser.add_argument("--replicate-degree", type=int, default=2, help="hybrid only
 parser.add_argument("--activation-checkpointing", action="store_true")
 parser.add_argument("--width", type=int, default=32)
 parser.add_argument("--batch-size", type=int, default=8, help="per rank")
-parser.add_argument("--steps", type=int, default=2, help="the peak is the last step's (the first one creates AdamW's state)")
+parser.add_argument(
+    "--steps",
+    type=int,
+    default=2,
+    help="the peak is the last step's (the first one creates AdamW's state)",
+)
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -73,11 +80,23 @@ everyone = [None] * world_size
 dist.all_gather_object(everyone, mine)
 if rank == 0:
     largest = max(everyone, key=lambda r: r["peak"]["total"])
-    print(json.dumps({"sharding": args.sharding, "mesh": list(mesh.shape),
-                      "activation_checkpointing": args.activation_checkpointing, "width": args.width,
-                      "batch_size": args.batch_size, "param_count": sum(p.numel() for p in model.parameters()),
-                      "peak_bytes_per_rank": [r["peak"]["total"] for r in everyone], **largest}))
+    print(
+        json.dumps(
+            {
+                "sharding": args.sharding,
+                "mesh": list(mesh.shape),
+                "activation_checkpointing": args.activation_checkpointing,
+                "width": args.width,
+                "batch_size": args.batch_size,
+                "param_count": sum(p.numel() for p in model.parameters()),
+                "peak_bytes_per_rank": [r["peak"]["total"] for r in everyone],
+                **largest,
+            }
+        )
+    )
 del tracker, model, optimizer
-gc.collect()  # FSDP's reference cycles hold gloo's threads: left to the interpreter's exit, gloo may abort
-getattr(mesh, "_pg_registry", {}).clear()  # torch 2.14's DTensor caches keep the mesh, and the mesh its group
+# FSDP's reference cycles hold gloo's threads: left to the interpreter's exit, gloo may abort
+gc.collect()
+# torch 2.14's DTensor caches keep the mesh, and the mesh its group
+getattr(mesh, "_pg_registry", {}).clear()
 dist.destroy_process_group()

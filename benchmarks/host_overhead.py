@@ -7,9 +7,9 @@ train_ddp.py spends before its first step. Prints a Markdown table and writes ho
 At batch 1 a BabyCNN step's arithmetic is a small part of its time, so the time per step is mostly
 the host's: Python, the dispatcher, one launch per kernel (on a GPU the kernels run while the host
 goes on). Rows, in microseconds per step, medians over --repeats rounds:
-  bare loop          the model and the optimizer alone, on batches made before the clock starts
-  bare loop in DDP   the same, wrapped in DDP on a process group of one: what train_ddp.py skips on one process
-  train_ddp.py       one process, steady state from its metrics (batch indexing, the loss sum, the lr: the rest)
+  bare loop         the model and the optimizer alone, on batches made before the clock starts
+  bare loop in DDP  the same in DDP on a group of one: what train_ddp.py skips on one process
+  train_ddp.py      one process, steady state from its metrics (batch indexing, loss sum, lr...)
 Start-up: `python -c "import torch"`, and train_ddp.py's wall time for a run of one step without
 evaluation on the bundled MNIST files (start, imports, data, model, one step, exit).
 """

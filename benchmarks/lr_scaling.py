@@ -1,4 +1,4 @@
-"""The linear scaling rule and warmup, measured: train_ddp.py at global batch 64 and 512, SGD with momentum.
+"""The linear scaling rule and warmup, measured: train_ddp.py, batch 64 and 512, SGD with momentum.
 
     python benchmarks/lr_scaling.py  # 4 runs of 3 epochs, 2 at a time: about 3 minutes on 2 cores
     python benchmarks/lr_scaling.py --epochs 1      # the same runs, one epoch each

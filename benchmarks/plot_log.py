@@ -2,7 +2,8 @@
 loss and accuracy at each evaluation, and the lr. Works while the run trains (the rows are flushed
 as written).
 
-    bash run_ddp.sh --log-dir logs/ddp && python benchmarks/plot_log.py logs/ddp docs/images/log_ddp.png
+    bash run_ddp.sh --log-dir logs/ddp
+    python benchmarks/plot_log.py logs/ddp docs/images/log_ddp.png
 """
 
 import argparse

@@ -1,7 +1,8 @@
-"""Read the traces that --profile-steps wrote: per rank and step, the collectives the script issued in the forward,
-during the backward (with backward work still to come, so they can overlap it) and after it, and the
-time the rank waited on communication. Open the same files in https://ui.perfetto.dev to see each
-one.
+"""Read the traces that --profile-steps wrote: each rank's collectives and wait, step by step.
+
+Per rank and step, the collectives the script issued in the forward, during the backward (with
+backward work still to come, so they can overlap it) and after it, and the time the rank waited on
+communication. Open the same files in https://ui.perfetto.dev to see each one.
 
     bash run_ddp.sh --max-steps 12 --profile-steps 10:10 --log-dir logs/trace
     python benchmarks/read_trace.py --log-dir logs/trace
@@ -28,9 +29,8 @@ KINDS = {
     "send": "send",
     "recv_": "recv",
 }
-BACKWARD = re.compile(
-    r"^\w+Backward\d*$"
-)  # autograd's math (ConvolutionBackward0), not its bookkeeping
+# autograd's math (ConvolutionBackward0), not its bookkeeping
+BACKWARD = re.compile(r"^\w+Backward\d*$")
 
 
 def read_rank(path):

@@ -5,10 +5,10 @@
 
 Three tables, each from real runs, one thread per process, synthetic data:
   memory   train_fsdp.py (and train_ddp.py on one process) at --width 32 (28.2M parameters), batch 8
-           per rank, AdamW, 2 steps: `state_bytes` and `peak_memory_bytes` (the process's peak resident
-           memory on a CPU) of the largest rank, from --metrics; and beside them, from
-           benchmarks/fsdp_memory.py (the same wrapping, counted tensor by tensor), the peak bytes of
-           tensors per rank during a step and the unsharded weights held at that peak.
+           per rank, AdamW, 2 steps: `state_bytes` and `peak_memory_bytes` (the process's peak
+           resident memory on a CPU) of the largest rank, from --metrics; and beside them, from
+           benchmarks/fsdp_memory.py (the same wrapping, counted tensor by tensor), the peak bytes
+           of tensors per rank during a step and the unsharded weights held at that peak.
   activations  benchmarks/fsdp_memory.py at width 1 and batch 64, where activations outweigh the
            weights: what forward leaves for backward, and the peak, without and with checkpointing.
   speed    train_fsdp.py on 2 ranks (train_ddp.py beside it), width 1, batch 64 per rank, 200 steps:

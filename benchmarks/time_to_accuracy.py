@@ -1,4 +1,4 @@
-"""Seconds of training to 98% and 99% test accuracy on the real MNIST, for each script, as a user runs it.
+"""Training seconds to 98% and 99% test accuracy on the real MNIST, per script, as a user runs it.
 
     python benchmarks/time_to_accuracy.py  # the three default commands, then --epochs 4
     python benchmarks/time_to_accuracy.py --epochs 2      # the default commands only

@@ -1,14 +1,17 @@
-"""Count the collectives of one train_tp.py step with CommDebugMode, against the prediction docs/parallelism.md makes,
-and each rank's bytes of parameters and optimizer state against the whole model's / (dp x tp).
+"""Count a train_tp.py step's collectives and each rank's state bytes, against their predictions.
+
+It counts the collectives of one train_tp.py step with CommDebugMode, against the prediction
+docs/parallelism.md makes, and each rank's bytes of parameters and optimizer state against the whole
+model's / (dp x tp).
 
     torchrun --standalone --nproc-per-node=2 benchmarks/tp_collectives.py            # tp 2, dp 1
     torchrun --standalone --nproc-per-node=4 benchmarks/tp_collectives.py --tp 2     # tp 2, dp 2
 
-The prediction, for BabyCNN's 4 blocks (3 conv blocks of two convolutions, a head of a convolution and the
-classifier), each split as a column-wise/row-wise pair: in forward, one all-reduce per pair (4); in backward, one
-per pair whose input needs a gradient (3: not the first, whose input is the images). FSDP over dp > 1: an all-gather
-per block in forward (4) and again in backward for all but the last (3), which keeps its weights; a reduce-scatter
-per block (4). Rank 0 prints one JSON line.
+The prediction, for BabyCNN's 4 blocks (3 conv blocks of two convolutions, a head of a convolution
+and the classifier), each split as a column-wise/row-wise pair: in forward, one all-reduce per pair
+(4); in backward, one per pair whose input needs a gradient (3: not the first, whose input is the
+images). FSDP over dp > 1: an all-gather per block in forward (4) and again in backward for all but
+the last (3), which keeps its weights; a reduce-scatter per block (4). Rank 0 prints one JSON line.
 """
 
 import argparse
@@ -27,13 +30,18 @@ from models import BabyCNN  # noqa: E402
 from plumbing import watch  # noqa: E402
 from train_tp import parallelize  # noqa: E402
 
-NAMES = {"allreduce_": "all_reduce", "all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
-         "_allgather_base_": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-         "_reduce_scatter_base_": "reduce_scatter"}
+NAMES = {
+    "allreduce_": "all_reduce",
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "_allgather_base_": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+}
 
 
 def counted(comm):
-    """{collective: calls} of a CommDebugMode, c10d's and the functional collectives' names merged."""
+    """{collective: calls} of a CommDebugMode, c10d's and functional collectives' names merged."""
     counts = {}
     for op, calls in comm.get_comm_counts().items():
         name = NAMES.get(str(op).split(".")[-1], str(op))
@@ -71,19 +79,33 @@ def main():
         forward, backward = step()
         state = watch.memory(model, optimizer, torch.device("cpu"))["state_bytes"]
         predicted_forward = {"all_reduce": 4, **({"all_gather": 4} if dp > 1 else {})}
-        predicted_backward = {"all_reduce": 3, **({"all_gather": 3, "reduce_scatter": 4} if dp > 1 else {})}
-        # AdamW in fp32: 4 bytes of weight, 4 of gradient, 8 of moments a parameter, plus its step counters
+        predicted_backward = {
+            "all_reduce": 3,
+            **({"all_gather": 3, "reduce_scatter": 4} if dp > 1 else {}),
+        }
+        # AdamW in fp32: a parameter's 4 bytes of weight, 4 of gradient and 8 of moments, plus the
+        # step counters
         states = [None] * world_size
         dist.all_gather_object(states, state)
         if dist.get_rank() == 0:
-            print(json.dumps({
-                "dp": dp, "tp": args.tp, "forward": forward, "predicted_forward": predicted_forward,
-                "backward": backward, "predicted_backward": predicted_backward,
-                "state_bytes": states, "whole_model_state_bytes": 16 * whole,
-                "whole_over_dp_tp": 16 * whole / (dp * args.tp),
-            }))
+            print(
+                json.dumps(
+                    {
+                        "dp": dp,
+                        "tp": args.tp,
+                        "forward": forward,
+                        "predicted_forward": predicted_forward,
+                        "backward": backward,
+                        "predicted_backward": predicted_backward,
+                        "state_bytes": states,
+                        "whole_model_state_bytes": 16 * whole,
+                        "whole_over_dp_tp": 16 * whole / (dp * args.tp),
+                    }
+                )
+            )
     finally:
-        getattr(mesh, "_pg_registry", {}).clear()  # as train_tp.py: let go of the mesh's groups before shutdown
+        # as train_tp.py: let go of the mesh's groups before shutdown
+        getattr(mesh, "_pg_registry", {}).clear()
         dist.destroy_process_group()
 
 

@@ -96,7 +96,7 @@ def host_cost(watched, steps=20_000, log_every=20):
     and a CSV row at each logging step (watched), or neither; measured in this process, no training.
     """
     sys.path.insert(0, str(ROOT))
-    from plumbing import training, watch
+    from plumbing import watch
 
     master, replica = pty.openpty()
     drain = threading.Thread(

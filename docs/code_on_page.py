@@ -6,10 +6,11 @@
 
 A generated block is a fenced code block between two comments, which say what goes in it:
 
-    <!-- generated: diff -u train_ddp.py train_fsdp.py -->    the unified diff, as `diff -u` prints it
-    <!-- generated: file docs/snippets/join.py -->            a whole file
-    <!-- generated: lines train_pippy.py "START" "END" -->     from the line containing START up to the
-                                                              line containing END (not included), dedented
+    <!-- generated: diff -u train_ddp.py train_fsdp.py -->  the unified diff, as `diff -u` prints it
+    <!-- generated: file docs/snippets/join.py -->          a whole file
+    <!-- generated: lines train_pippy.py "START" "END" -->   from the line containing START up to
+                                                            the line containing END (not included),
+                                                            dedented
     ```...```
     <!-- end generated -->
 

@@ -9,22 +9,24 @@ only) run the real code the training scripts run, and the pictures draw what the
 things happen during a step, the pipeline schedules included, is drawn from measured runs by
 docs/timelines.py.)
 
-  fsdp_shards.png         which rows of each BabyCNN parameter each rank holds after fully_shard, on a 1-D
-                          mesh of 4 ranks (--sharding full) and a 2 x 2 (replicate, shard) mesh (--sharding hybrid)
-  sampler.png             the sample indices DistributedSampler hands each rank in one epoch, with drop_last=True
-                          (as the scripts set it) and with drop_last=False (the default: it pads by repeating)
-  ring_allreduce.png      ring all-reduce on 4 ranks, simulated here step by step; the script checks that the
-                          simulation's result equals a real dist.all_reduce before drawing it
-  device_mesh.png         how init_device_mesh lays train_pippy.py's (pp, dp) and train_fsdp.py's
-                          (replicate, shard) meshes over 2 nodes x 2 processes
-  tp_pair.png             a column-wise then row-wise pair of train_tp.py on 2 TP ranks, f and g:
-                          the shapes its tensor_parallel() gives BabyCNN's block 2, and what a
-                          forward records going in and out of each convolution
-  overlap.png             what overlap buys, as a model (not a measurement): DDP's bucket
-                          all-reduces and FSDP's all-gathers and reduce-scatters beside the compute
-                          of the measured CPU timelines (docs/images/timelines.json), each
-                          collective t = α + n·β from the gloo fit (benchmarks/results/
-                          collectives.json); once taking turns, once on a stream of its own
+  fsdp_shards.png     which rows of each BabyCNN parameter each rank holds after fully_shard, on a
+                      1-D mesh of 4 ranks (--sharding full) and a 2 x 2 (replicate, shard) mesh
+                      (--sharding hybrid)
+  sampler.png         the sample indices DistributedSampler hands each rank in one epoch, with
+                      drop_last=True (as the scripts set it) and with drop_last=False (the default:
+                      it pads by repeating)
+  ring_allreduce.png  ring all-reduce on 4 ranks, simulated here step by step; the script checks
+                      that the simulation's result equals a real dist.all_reduce before drawing it
+  device_mesh.png     how init_device_mesh lays train_pippy.py's (pp, dp) and train_fsdp.py's
+                      (replicate, shard) meshes over 2 nodes x 2 processes
+  tp_pair.png         a column-wise then row-wise pair of train_tp.py on 2 TP ranks, f and g: the
+                      shapes its tensor_parallel() gives BabyCNN's block 2, and what a forward
+                      records going in and out of each convolution
+  overlap.png         what overlap buys, as a model (not a measurement): DDP's bucket all-reduces
+                      and FSDP's all-gathers and reduce-scatters beside the compute of the measured
+                      CPU timelines (docs/images/timelines.json), each collective t = α + n·β from
+                      the gloo fit (benchmarks/results/collectives.json); once taking turns, once
+                      on a stream of its own
 
 figures.json, written next to the PNGs, holds the exact data each picture draws.
 tests/test_figures.py regenerates it and compares it with the committed one: PNG bytes differ
@@ -100,9 +102,8 @@ def shard_rows(mesh, rank):
             )
             rows = [row for row, owner in enumerate(owner_of_row.tolist()) if owner == rank]
             first = rows[0] if rows else 0
-            if rows != list(
-                range(first, first + param.to_local().shape[0])
-            ):  # one block of rows, all of to_local()
+            # one block of rows, all of to_local()
+            if rows != list(range(first, first + param.to_local().shape[0])):
                 raise AssertionError(
                     f"{name}: rank {rank} holds rows {rows}, to_local() {param.to_local().shape}"
                 )
@@ -166,8 +167,8 @@ def worker(rank, world, init_file, result_file):
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world,
-        timeout=timedelta(seconds=60),
-    )  # a stuck collective fails instead of hanging
+        timeout=timedelta(seconds=60),  # a stuck collective fails instead of hanging
+    )
     try:
         # Ranks as torchrun numbers them on 2 nodes of 2 processes: rank = node x 2 + local rank.
         pp_mesh = init_device_mesh(
@@ -180,9 +181,8 @@ def worker(rank, world, init_file, result_file):
         # train_tp.py's (dp, tp) mesh: TP groups of 2 neighbouring ranks
         tp_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]
         reduced = ring_inputs(world)[rank].clone()
-        dist.all_reduce(
-            reduced
-        )  # the real thing the ring picture must agree with (gloo picks its own algorithm)
+        # the real thing the ring picture must agree with (gloo picks its own algorithm)
+        dist.all_reduce(reduced)
         mine = dict(
             full=shard_rows(full_mesh, rank),
             hybrid=shard_rows(hybrid_mesh, rank),
@@ -353,9 +353,8 @@ def ring_data(records):
             f"ring simulation {result} != dist.all_reduce {real} or the sum {expected}"
         )
     share = [Fraction(elements, inputs[0].numel()) for elements in sent]
-    if share != [Fraction(2 * (world - 1), world)] * world or len(steps) != 2 * (
-        world - 1
-    ):  # what the caption says
+    # what the caption says
+    if share != [Fraction(2 * (world - 1), world)] * world or len(steps) != 2 * (world - 1):
         raise AssertionError(
             f"each rank sends {share} of its tensor in {len(steps)} steps, not 2(W-1)/W in 2(W-1)"
         )
@@ -488,9 +487,8 @@ def overlap_data():
         )
 
     fsdp_actions = [ag(0)]
-    for block in range(
-        last + 1
-    ):  # forward: the next block's gather is issued as this block computes
+    # forward: the next block's gather is issued as this block computes
+    for block in range(last + 1):
         fsdp_actions.append(
             (
                 "compute",
@@ -501,12 +499,10 @@ def overlap_data():
         )
         if block < last:
             fsdp_actions.append(ag(block + 1))
-    for block in range(
-        last, -1, -1
-    ):  # backward: the block (the last kept its weights), the next block's gather
-        needs = (
-            [] if block == last else [f"all-gather blocks.{block} again"]
-        )  # issued as it computes, its RS
+    # backward: the block (the last kept its weights), the next block's gather issued as it
+    # computes, its RS
+    for block in range(last, -1, -1):
+        needs = [] if block == last else [f"all-gather blocks.{block} again"]
         fsdp_actions.append(
             ("compute", f"backward blocks.{block}", fsdp_compute[f"backward blocks.{block}"], needs)
         )
@@ -889,12 +885,8 @@ def draw_mesh(data, path):
         "hybrid": "train_fsdp.py --sharding hybrid: init_device_mesh(..., (2, 2), ('replicate', "
         "'shard'))",
     }
-    width, height, step_x, step_y = (
-        1.5,
-        1.0,
-        2.6,
-        2.0,
-    )  # a rank's box, and the distance between boxes
+    # a rank's box, and the distance between boxes
+    width, height, step_x, step_y = 1.5, 1.0, 2.6, 2.0
 
     def centre(rank):
         node, local = divmod(rank, per_node)
@@ -940,9 +932,8 @@ def draw_mesh(data, path):
                         )
                     else:  # across nodes: through the gap between rows
                         xs, ys = (xa, xb), (ya + height / 2, yb - height / 2)
-                        inward = (
-                            1 if xa < per_node * step_x / 2 else -1
-                        )  # the label away from the panel's edge
+                        # the label away from the panel's edge
+                        inward = 1 if xa < per_node * step_x / 2 else -1
                         ax.text(
                             xa + 0.08 * inward,
                             sum(ys) / 2,
@@ -1212,9 +1203,8 @@ def main():
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    records = (
-        record_in_process_group()
-    )  # first: no torch op may run in this process before the fork
+    # first: no torch op may run in this process before the fork
+    records = record_in_process_group()
     torch.set_num_threads(1)
     figures = dict(
         fsdp_shards=fsdp_data(records),

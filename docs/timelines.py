@@ -9,17 +9,18 @@ build them, run real steps and record, on the clock both processes share (time.p
 CLOCK_MONOTONIC), when each piece of work started and ended. Nothing is placed by hand; each picture
 draws the median step of those recorded.
 
-  timeline_ddp.png       one DDP step of BabyCNN (train_ddp.py's wrapping, batch 64 per rank): each block's forward
-                         and backward (module hooks), and each bucket's all-reduce (a DDP comm hook that starts the
-                         all-reduce and notes the time its future completes); with DDP's default buckets and with
-                         bucket_cap_mb=0.05
-  timeline_fsdp.png      one FSDP2 step (train_fsdp.py's wrapping: fully_shard per block, then the root) with
-                         --sharding full and grad-op: FSDP's own profiler ranges (FSDP::all_gather,
-                         FSDP::post_backward_reduce, ...) and the bytes the process allocated during the step
-                         (torch.profiler with profile_memory=True: every CPU allocation and free, with its size)
-  timeline_pipeline.png  one schedule.step() of every schedule train_pippy.py's --schedule offers, on 2 pipeline
-                         ranks and 4 microbatches: each forward, backward, input- and weight-gradient action of
-                         each stage, at the times it ran
+  timeline_ddp.png       one DDP step of BabyCNN (train_ddp.py's wrapping, batch 64 per rank): each
+                         block's forward and backward (module hooks), and each bucket's all-reduce
+                         (a DDP comm hook that starts the all-reduce and notes the time its future
+                         completes); with DDP's default buckets and with bucket_cap_mb=0.05
+  timeline_fsdp.png      one FSDP2 step (train_fsdp.py's wrapping: fully_shard per block, then the
+                         root) with --sharding full and grad-op: FSDP's own profiler ranges
+                         (FSDP::all_gather, FSDP::post_backward_reduce, ...) and the bytes the
+                         process allocated during the step (torch.profiler with profile_memory=True:
+                         every CPU allocation and free, with its size)
+  timeline_pipeline.png  one schedule.step() of every schedule train_pippy.py's --schedule offers,
+                         on 2 pipeline ranks and 4 microbatches: each forward, backward, input- and
+                         weight-gradient action of each stage, at the times it ran
 
 timelines.json, written next to the PNGs, holds what the pictures draw. Under each key named "times"
 are the measurements: they change from run to run and are drawn, never compared. Everything else is
@@ -40,9 +41,8 @@ from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
-os.environ.setdefault(
-    "KINETO_LOG_LEVEL", "5"
-)  # the profiler's own log: without it, an "ERROR" line on GPU-less hosts
+# the profiler's own log: without it, an "ERROR" line on GPU-less hosts
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -63,10 +63,8 @@ from models import BabyCNN  # noqa: E402
 from train_pippy import SCHEDULES, Stage, balanced_stages, block_flops  # noqa: E402  the --schedule names and their classes, as the script maps them
 
 WORLD = 2
-WARMUP, RECORDED = (
-    2,
-    3,
-)  # steps run before recording (DDP rebuilds its buckets after the first), steps recorded
+# steps run before recording (DDP rebuilds its buckets after the first), steps recorded
+WARMUP, RECORDED = 2, 3
 DDP_BATCH = 64  # train_ddp.py's default --batch-size, width 1
 # DDP's default buckets (25 MiB, the first 1 MiB) hold all 172 kB of BabyCNN's gradients at once:
 # one all-reduce after the whole backward. 0.05 MiB cuts them into three, so the first all-reduces
@@ -114,9 +112,8 @@ def ddp_steps(bucket_cap_mb):
     model = BabyCNN()
     names = {id(p): name for name, p in model.named_parameters()}
     ddp_model = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=bucket_cap_mb)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=1e-3, weight_decay=0.01, fused=True
-    )  # train_ddp.py's
+    # train_ddp.py's
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
     events, started, buckets = [], {}, {}
 
     def begin(label):
@@ -159,9 +156,8 @@ def ddp_steps(bucket_cap_mb):
         return future.then(finished)
 
     ddp_model.register_comm_hook(None, timed_allreduce)
-    generator = torch.Generator().manual_seed(
-        dist.get_rank()
-    )  # random images: the timing, not the learning
+    # random images: the timing, not the learning
+    generator = torch.Generator().manual_seed(dist.get_rank())
     images = torch.randn(DDP_BATCH, 1, 28, 28, generator=generator)
     labels = torch.randint(0, 10, (DDP_BATCH,), generator=generator)
     steps = []
@@ -174,10 +170,8 @@ def ddp_steps(bucket_cap_mb):
         step_start = now()
         loss = F.cross_entropy(ddp_model(images), labels)
         loss.backward()  # returns once every bucket's all-reduce has finished
-        for (
-            index,
-            finished,
-        ) in backward_ends.items():  # close each block's backward at its last gradient
+        # close each block's backward at its last gradient
+        for index, finished in backward_ends.items():
             events.append(
                 (f"backward blocks.{index}", started.pop(f"backward blocks.{index}"), finished)
             )
@@ -212,9 +206,8 @@ def fsdp_steps(sharding, mesh):
     labels = torch.randint(0, 10, (FSDP_BATCH,), generator=generator)
 
     def step(profiled):
-        optimizer.zero_grad(
-            set_to_none=True
-        )  # before the step's range: the gradients' memory is the last step's
+        # before the step's range: the gradients' memory is the last step's
+        optimizer.zero_grad(set_to_none=True)
         dist.barrier()
         with record_function("step") if profiled else nullcontext():
             with record_function("forward") if profiled else nullcontext():
@@ -255,8 +248,8 @@ def fsdp_steps(sharding, mesh):
     allocations = sorted(
         (to_ns(e["ts"]), e["args"]["Bytes"], e["tid"] == marker["tid"])
         for e in trace
-        if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0
-    )  # 0: the CPU
+        if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0  # 0: the CPU
+    )
     steps = []
     for _, start, end in [r for r in ranges if r[0] == "step"]:
         steps.append(
@@ -312,16 +305,14 @@ def pipeline_steps():
     ranks: {name: (stage indices on this rank, the blocks of every stage,
             [per recorded step: (step start, end, [(action, start, end)])])}."""
     rank = dist.get_rank()
-    generator = torch.Generator().manual_seed(
-        0
-    )  # the same batch on both ranks: only the first stage reads it
+    # the same batch on both ranks: only the first stage reads it
+    generator = torch.Generator().manual_seed(0)
     images = torch.randn(PIPELINE_BATCH, 1, 28, 28, generator=generator)
     labels = torch.randint(0, 10, (PIPELINE_BATCH,), generator=generator)
     results = {}
     for name, (schedule_class, stages_kind) in SCHEDULES.items():
-        stages_per_rank = (
-            1 if stages_kind == "one" else 2
-        )  # train_pippy.py's default --stages-per-rank
+        # train_pippy.py's default --stages-per-rank
+        stages_per_rank = 1 if stages_kind == "one" else 2
         num_stages = WORLD * stages_per_rank
         # The same placement as train_pippy.py: loop (stage s on rank s % ranks), or a V for zbv.
         if name == "zbv":
@@ -330,14 +321,14 @@ def pipeline_steps():
             stage_indices = [rank + k * WORLD for k in range(stages_per_rank)]
         torch.manual_seed(0)
         model = BabyCNN()
-        stage_blocks = balanced_stages(
-            block_flops(model, images[:1]), num_stages
-        )  # as train_pippy.py splits
+        # as train_pippy.py splits
+        stage_blocks = balanced_stages(block_flops(model, images[:1]), num_stages)
         log, stages = [], []
         for stage_index in stage_indices:
+            # fp32
             stage_model = Stage(
                 [model.blocks[block] for block in stage_blocks[stage_index]], nullcontext()
-            )  # fp32
+            )
             stages.append(PipelineStage(stage_model, stage_index, num_stages, torch.device("cpu")))
             timed_actions(stages[-1], log)
         schedule = schedule_class(
@@ -347,16 +338,14 @@ def pipeline_steps():
             scale_grads=False,
         )
         recorded = []
-        for step in range(
-            1 + RECORDED
-        ):  # the first step sets up the stages' buffers and links: not recorded
+        # the first step sets up the stages' buffers and links: not recorded
+        for step in range(1 + RECORDED):
             model.zero_grad(set_to_none=True)
             log.clear()
             dist.barrier()
             start = now()
-            schedule.step(
-                *([images] if 0 in stage_indices else []), target=labels
-            )  # inputs: first stage only
+            # inputs: first stage only
+            schedule.step(*([images] if 0 in stage_indices else []), target=labels)
             if step:
                 recorded.append((start, now(), list(log)))
         results[name] = (stage_indices, stage_blocks, recorded)
@@ -371,8 +360,8 @@ def worker(rank, world, init_file, result_file):
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world,
-        timeout=timedelta(seconds=60),
-    )  # a stuck collective fails instead of hanging
+        timeout=timedelta(seconds=60),  # a stuck collective fails instead of hanging
+    )
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
         mine = dict(
@@ -1004,22 +993,17 @@ def main():
         help="directory for the PNGs and timelines.json (default: docs/images)",
     )
     args = parser.parse_args()
-    if torch.__version__ < (
-        2,
-        14,
-    ):  # as docs/figures.py: the committed pictures were drawn with torch 2.14
+    # as docs/figures.py: the committed pictures were drawn with torch 2.14
+    if torch.__version__ < (2, 14):
         sys.exit(
             f"error: on torch {torch.__version__}, zbv cannot run on gloo (its schedule sends "
-            "between a rank's "
-            "own neighbouring stages, and gloo cannot send to its own rank): draw the timelines "
-            "with a later "
-            "torch"
+            "between a rank's own neighbouring stages, and gloo cannot send to its own rank): "
+            "draw the timelines with a later torch"
         )
     args.out.mkdir(parents=True, exist_ok=True)
 
-    records = (
-        record_in_process_group()
-    )  # first: no torch op may run in this process before the fork
+    # first: no torch op may run in this process before the fork
+    records = record_in_process_group()
     torch.set_num_threads(1)
     timelines = dict(
         ddp=ddp_data(records), fsdp=fsdp_data(records), pipeline=pipeline_data(records)

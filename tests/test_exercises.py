@@ -14,19 +14,22 @@ The format, strict so that it can be read here. A page's exercises are the `### 
 - `<details><summary>Answer</summary>`, the answer in prose, then one or more checks, each an HTML
   comment of its own (hidden on GitHub), then `</details>`:
 
-    <!-- check: RUN prints "TEXT" -->          RUN's output has TEXT (the launcher's own `launch.sh:` line aside)
-    <!-- check: RUN exits N -->                RUN ended with exit code N
-    <!-- check: RUN KEY == VALUE -->           in RUN's metrics file, KEY equals VALUE (JSON)
+    <!-- check: RUN prints "TEXT" -->              RUN's output has TEXT (the launcher's own
+                                                   `launch.sh:` line aside)
+    <!-- check: RUN exits N -->                    RUN ended with exit code N
+    <!-- check: RUN KEY == VALUE -->               in RUN's metrics file, KEY equals VALUE (JSON)
     <!-- check: RUN KEY ~ RUN2 KEY2 within T -->    the numbers at KEY and KEY2 differ by at most T
-    <!-- check: RUN KEY !~ RUN2 KEY2 beyond T -->   ... by more than T somewhere (the negative control)
-    <!-- check: RUN KEY between LO and HI -->       every number at KEY lies in [LO, HI]: a
-                                                    measured time, which moves with the machine
+    <!-- check: RUN KEY !~ RUN2 KEY2 beyond T -->  ... by more than T somewhere (the negative
+                                                   control)
+    <!-- check: RUN KEY between LO and HI -->      every number at KEY lies in [LO, HI]: a measured
+                                                   time, which moves with the machine
 
   RUN is a run's NAME.json. KEY is a dotted path into the metrics JSON; `*` takes every element of a
   list (`ranks.*.state_bytes`, `loss_curve.*.1`: the loss column). The answer's prose must state
   each exact value (a number as printed or with thousands separators, a printed TEXT in full), so a
   reader sees what the test checks; an exercise with a `~` check must have a `!~` check whose
-  tolerance is at least 100 times larger, so the tolerance is shown to sit far below a real difference.
+  tolerance is at least 100 times larger, so the tolerance is shown to sit far below a real
+  difference.
   A `between` check's answer states LO and HI, as the page writes them.
 
 The strategies' pages (DDP, FSDP, pipeline) have at least three exercises, every other lesson

@@ -1,5 +1,6 @@
-"""Faults a real cluster makes: a peer lost while the others load or save a checkpoint is retried, a diverged run saves
-nothing non-finite, every stop signal torchrun passes on stops every rank within about a second, with a checkpoint."""
+"""Faults a real cluster makes: a peer lost while the others load or save a checkpoint is retried, a
+diverged run saves nothing non-finite, every stop signal torchrun passes on stops every rank within
+about a second, with a checkpoint."""
 
 import csv
 import math
@@ -12,17 +13,41 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 from conftest import (
-    ROOT, Run, assert_one_line_error, launch, launcher_env, load_weights, max_difference, mnist_args, succeeded, torchrun,
-    wait_for, worker_pids,
+    ROOT,
+    Run,
+    assert_one_line_error,
+    launch,
+    launcher_env,
+    load_weights,
+    max_difference,
+    mnist_args,
+    succeeded,
+    torchrun,
+    wait_for,
+    worker_pids,
 )
+
 from plumbing import checkpoints, failures, watch
 
-# A model of 7 M parameters (--width 16; 28 MB of weights, as much of SGD's momentum): a checkpoint big enough that
-# reading or writing it takes tens of milliseconds, which a poll of the workers' open files every millisecond finds.
-BIG = ["--width", "16", "--optimizer", "sgd", "--batch-size", "4", "--max-steps", "4", "--checkpoint-every", "2",
-       "--log-every", "2", "--no-eval"]
+# A model of 7 M parameters (--width 16; 28 MB of weights, as much of SGD's momentum): a checkpoint
+# big enough that reading or writing it takes tens of milliseconds, which a poll of the workers'
+# open files every millisecond finds.
+BIG = [
+    "--width",
+    "16",
+    "--optimizer",
+    "sgd",
+    "--batch-size",
+    "4",
+    "--max-steps",
+    "4",
+    "--checkpoint-every",
+    "2",
+    "--log-every",
+    "2",
+    "--no-eval",
+]
 
 
 def open_files(pid):
@@ -33,7 +58,8 @@ def open_files(pid):
 
 
 def kill_rank_1_when_it_opens(run, pattern, timeout=120):
-    """SIGKILL rank 1 of ``run`` (a launcher) the moment it holds a file whose path matches ``pattern`` open."""
+    """SIGKILL rank 1 of ``run`` (a launcher) the moment it holds a file whose path matches
+    ``pattern`` open."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and run.process.poll() is None:
         pid = worker_pids(run.process.pid).get(1)
@@ -48,40 +74,91 @@ def kill_rank_1_when_it_opens(run, pattern, timeout=120):
 @pytest.fixture(scope="module")
 def big_uninterrupted(mnist_dir, tmp_path_factory):
     directory = tmp_path_factory.mktemp("big")
-    succeeded(torchrun("train_ddp.py", 2, *mnist_args(mnist_dir), *BIG, "--checkpoint-dir", directory / "ck",
-                       "--save", directory / "final.pt"))
+    succeeded(
+        torchrun(
+            "train_ddp.py",
+            2,
+            *mnist_args(mnist_dir),
+            *BIG,
+            "--checkpoint-dir",
+            directory / "ck",
+            "--save",
+            directory / "final.pt",
+        )
+    )
     return directory
 
 
 @pytest.mark.parametrize("window", ["load", pytest.param("save", marks=pytest.mark.slow)])
-def test_a_peer_lost_while_the_others_load_or_save_a_checkpoint_is_retried(window, big_uninterrupted, mnist_dir,
-                                                                          tmp_path):
-    """Rank 1 is killed while it reads its part of step-2 (resuming) or writes its part of step-4: the job restarts
-    (MAX_RESTARTS=1), resumes from step-2 and ends bitwise as the uninterrupted run. The old plumbing called any
-    failure in DCP's load "damaged? move it away" and exited 2, which turned torchrun's restarts off."""
+def test_a_peer_lost_while_the_others_load_or_save_a_checkpoint_is_retried(
+    window, big_uninterrupted, mnist_dir, tmp_path
+):
+    """Rank 1 is killed while it reads its part of step-2 (resuming) or writes its part of step-4:
+    the job restarts (MAX_RESTARTS=1), resumes from step-2 and ends bitwise as the uninterrupted
+    run. The old plumbing called any failure in DCP's load "damaged? move it away" and exited 2,
+    which turned torchrun's restarts off."""
     checkpoints = tmp_path / "ck"
     if window == "load":  # the uninterrupted run's step-2 alone: the launch resumes from it
         shutil.copytree(big_uninterrupted / "ck" / "step-2", checkpoints / "step-2")
-    run = Run(["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), *BIG, "--checkpoint-dir", checkpoints,
-               "--save", tmp_path / "final.pt"], env=launcher_env(NPROC_PER_NODE=2, MAX_RESTARTS=1))
-    kill_rank_1_when_it_opens(run, r"/ck/step-2/.*\.distcp$" if window == "load" else r"/ck/\.tmp-step-4/")
+    run = Run(
+        [
+            "bash",
+            ROOT / "run_ddp.sh",
+            *mnist_args(mnist_dir),
+            *BIG,
+            "--checkpoint-dir",
+            checkpoints,
+            "--save",
+            tmp_path / "final.pt",
+        ],
+        env=launcher_env(NPROC_PER_NODE=2, MAX_RESTARTS=1),
+    )
+    kill_rank_1_when_it_opens(
+        run, r"/ck/step-2/.*\.distcp$" if window == "load" else r"/ck/\.tmp-step-4/"
+    )
     succeeded(run)
     assert "(torchrun restart 1)" not in run.output or "error:" not in run.output, run.output
     assert "damaged" not in run.output and "fix that" not in run.output, run.output
     resumed = [line for line in run.output.splitlines() if "resumed from" in line]
     assert resumed and resumed[-1].startswith(f"resumed from {checkpoints}/step-2 "), run.output
-    assert max_difference(load_weights(tmp_path / "final.pt"), load_weights(big_uninterrupted / "final.pt")) == 0
+    assert (
+        max_difference(
+            load_weights(tmp_path / "final.pt"), load_weights(big_uninterrupted / "final.pt")
+        )
+        == 0
+    )
 
 
 def test_a_run_that_diverges_between_checkpoints_saves_nothing_non_finite(mnist_dir, tmp_path):
-    """SGD at lr 10 diverges within a few steps (at step 4 here). Checkpoints every 2 steps, the loss logged every 3:
-    the old plumbing checked only the logged loss, and saved the NaN weights of the checkpoints in between, which
-    every resume then started from. Now no checkpoint holds a non-finite value, the one line names the newest (finite) one, and a rerun
-    resumes from it and stops the same way: no loop of resumes into a NaN."""
+    """SGD at lr 10 diverges within a few steps (at step 4 here). Checkpoints every 2 steps, the
+    loss logged every 3: the old plumbing checked only the logged loss, and saved the NaN weights of
+    the checkpoints in between, which every resume then started from. Now no checkpoint holds a
+    non-finite value, the one line names the newest (finite) one, and a rerun resumes from it and
+    stops the same way: no loop of resumes into a NaN."""
     checkpoints, log_dir = tmp_path / "ck", tmp_path / "log"
-    args = [*mnist_args(mnist_dir), "--optimizer", "sgd", "--lr", "10", "--warmup-steps", "0", "--lr-schedule",
-            "constant", "--batch-size", "16", "--max-steps", "40", "--checkpoint-every", "2", "--log-every", "3",
-            "--checkpoint-dir", checkpoints, "--log-dir", log_dir]
+    args = [
+        *mnist_args(mnist_dir),
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "10",
+        "--warmup-steps",
+        "0",
+        "--lr-schedule",
+        "constant",
+        "--batch-size",
+        "16",
+        "--max-steps",
+        "40",
+        "--checkpoint-every",
+        "2",
+        "--log-every",
+        "3",
+        "--checkpoint-dir",
+        checkpoints,
+        "--log-dir",
+        log_dir,
+    ]
     for attempt in range(2):
         run = launch("train_ddp.py", 2, *args).wait()
         assert_one_line_error(run, ": training diverged; lower --lr or raise --warmup-steps")
@@ -89,41 +166,80 @@ def test_a_run_that_diverges_between_checkpoints_saves_nothing_non_finite(mnist_
         line = next(line for line in run.output.splitlines() if line.startswith("error:"))
         step = int(re.search(r" at step (\d+): training diverged", line).group(1))
         if saved:
-            assert f"nothing after step-{saved[0]} was saved; the same command resumes from {checkpoints}/step-" \
-                   f"{saved[0]}" in line and saved[0] < step, line
+            assert (
+                f"nothing after step-{saved[0]} was saved; the same command resumes from "
+                f"{checkpoints}/step-{saved[0]}"
+                in line
+                and saved[0] < step
+            ), line
         else:
             assert f"no checkpoint is in {checkpoints}" in line, line
-        assert attempt == 0 or f"resumed from {checkpoints}/step-{saved[0]} " in run.output, run.output
+        assert attempt == 0 or f"resumed from {checkpoints}/step-{saved[0]} " in run.output, (
+            run.output
+        )
         for path in checkpoints.glob("step-*"):
             metadata = dcp.FileSystemReader(path).read_metadata()
-            state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-                     for key, meta in metadata.state_dict_metadata.items() if hasattr(meta, "size")}
+            state = {
+                key: torch.empty(meta.size, dtype=meta.properties.dtype)
+                for key, meta in metadata.state_dict_metadata.items()
+                if hasattr(meta, "size")
+            }
             dcp.load(state, checkpoint_id=path, no_dist=True)
             assert all(t.isfinite().all() for t in state.values() if t.is_floating_point()), path
         # --log-dir's CSV is closed whole however the run ended: its last line is a complete row
         with open(log_dir / "metrics.csv", newline="") as file:
             rows = list(csv.DictReader(file))
-        assert rows and None not in rows[-1].values() and math.isfinite(float(rows[-1]["train_loss"])), rows
+        assert (
+            rows and None not in rows[-1].values() and math.isfinite(float(rows[-1]["train_loss"]))
+        ), rows
     assert saved, "the run diverged before its first checkpoint: lower --lr in this test"
 
 
-@pytest.mark.parametrize("number", [signal.SIGTERM, *(pytest.param(n, marks=pytest.mark.slow)
-                                                      for n in (signal.SIGHUP, signal.SIGQUIT))], ids=lambda n: n.name)
-def test_every_stop_signal_stops_every_rank_within_about_a_second_with_a_checkpoint(number, tmp_path):
-    """SIGTERM, SIGHUP and SIGQUIT to the launcher (SIGINT and SIGUSR1: test_cluster.py), with --log-every larger than
-    the run: torchrun passes each on, and the ranks agree on it within about a second of training. The signal is
-    sent when step-20's checkpoint appears; the stop must come within 3 seconds' steps of it (the agreement's bound is
-    one second, its interval at most doubles, and the poll here adds some), by the run's own rate. The old plumbing
-    stopped at the next logging step (the end of the run here); SIGHUP and SIGQUIT killed the workers unsaved."""
+@pytest.mark.parametrize(
+    "number",
+    [
+        signal.SIGTERM,
+        *(pytest.param(n, marks=pytest.mark.slow) for n in (signal.SIGHUP, signal.SIGQUIT)),
+    ],
+    ids=lambda n: n.name,
+)
+def test_every_stop_signal_stops_every_rank_within_about_a_second_with_a_checkpoint(
+    number, tmp_path
+):
+    """SIGTERM, SIGHUP and SIGQUIT to the launcher (SIGINT and SIGUSR1: test_cluster.py), with
+    --log-every larger than the run: torchrun passes each on, and the ranks agree on it within about
+    a second of training. The signal is sent when step-20's checkpoint appears; the stop must come
+    within 3 seconds' steps of it (the agreement's bound is one second, its interval at most
+    doubles, and the poll here adds some), by the run's own rate. The old plumbing stopped at the
+    next logging step (the end of the run here); SIGHUP and SIGQUIT killed the workers unsaved."""
     # The bundled MNIST: 60,000 images, 1,875 steps an epoch at global batch 32
-    run = Run(["bash", ROOT / "run_ddp.sh", "--batch-size", "16", "--max-steps", "5000", "--log-every", "100000",
-               "--checkpoint-every", "20", "--checkpoint-dir", tmp_path / "ck", "--log-dir", tmp_path / "log",
-               "--no-eval"], env=launcher_env(NPROC_PER_NODE=2))
+    run = Run(
+        [
+            "bash",
+            ROOT / "run_ddp.sh",
+            "--batch-size",
+            "16",
+            "--max-steps",
+            "5000",
+            "--log-every",
+            "100000",
+            "--checkpoint-every",
+            "20",
+            "--checkpoint-dir",
+            tmp_path / "ck",
+            "--log-dir",
+            tmp_path / "log",
+            "--no-eval",
+        ],
+        env=launcher_env(NPROC_PER_NODE=2),
+    )
     wait_for(tmp_path / "ck" / "step-20", run)
     run.process.send_signal(number)
     run.wait()
     assert run.returncode == 128 + number, run.output
-    stopped = re.search(rf"stopped by {number.name} at step (\d+) of \d+: checkpoint step-(\d+) is in", run.output)
+    stopped = re.search(
+        rf"stopped by {number.name} at step (\d+) of \d+: checkpoint step-(\d+) is in", run.output
+    )
     assert stopped and stopped.group(1) == stopped.group(2), run.output
     step = int(stopped.group(1))
     assert (tmp_path / "ck" / f"step-{step}" / "checkpoint.json").exists()
@@ -138,18 +254,29 @@ def test_every_stop_signal_stops_every_rank_within_about_a_second_with_a_checkpo
 def test_the_launcher_passes_on_the_signals_the_workers_catch():
     text = (ROOT / "launch_torchrun.py").read_text()
     early = re.search(r"for number in \((signal\.SIG\w+(?:, signal\.SIG\w+)*)\):", text).group(1)
-    assert tuple(getattr(signal, name.split(".")[1]) for name in early.split(", ")) == failures.STOP_SIGNALS
-    assert {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT} == set(failures.STOP_SIGNALS)
+    assert (
+        tuple(getattr(signal, name.split(".")[1]) for name in early.split(", "))
+        == failures.STOP_SIGNALS
+    )
+    assert {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT} == set(
+        failures.STOP_SIGNALS
+    )
 
 
 def test_mfu_is_one_gpus_flops_over_its_peak():
-    """8 ranks of bf16 on H100s at 1,000 samples/s of 1e12 FLOPs each: 1e15 FLOP/s in all, 1.25e14 a GPU, 12.6 % of
-    the H100's 989e12 (the old arithmetic divided the total by one GPU's peak: 8 x too much)."""
+    """8 ranks of bf16 on H100s at 1,000 samples/s of 1e12 FLOPs each: 1e15 FLOP/s in all, 1.25e14 a
+    GPU, 12.6 % of the H100's 989e12 (the old arithmetic divided the total by one GPU's peak: 8 x
+    too much)."""
     cpu = torch.device("cpu")
     figures = watch.throughput(1e12, 1000.0, 8, cpu, "bf16", gpu_name="NVIDIA H100 80GB HBM3")
     assert figures["flops_per_second"] == 1e15 and figures["flops_per_second_per_gpu"] == 1.25e14
-    assert figures["peak_flops_per_gpu"] == 989e12 and figures["mfu"] == pytest.approx(1.25e14 / 989e12, rel=1e-12)
-    assert watch.throughput(1e12, 1000.0, 8, cpu, "fp32", gpu_name="NVIDIA H100 80GB HBM3")["mfu"] is None
+    assert figures["peak_flops_per_gpu"] == 989e12 and figures["mfu"] == pytest.approx(
+        1.25e14 / 989e12, rel=1e-12
+    )
+    assert (
+        watch.throughput(1e12, 1000.0, 8, cpu, "fp32", gpu_name="NVIDIA H100 80GB HBM3")["mfu"]
+        is None
+    )
     assert watch.throughput(1e12, 1000.0, 1, cpu, "bf16")["mfu"] is None  # no GPU: no peak
 
 
@@ -168,18 +295,23 @@ dist.destroy_process_group()
 
 
 def test_whatever_rank_0_raises_in_its_section_the_others_raise_at_once(tmp_path):
-    """A bug (a TypeError) in a rank-0-only section: rank 0 says its traceback, and every rank raises with the same
-    one line at once, instead of waiting in the next collective for the 10-minute timeout."""
+    """A bug (a TypeError) in a rank-0-only section: rank 0 says its traceback, and every rank
+    raises with the same one line at once, instead of waiting in the next collective for the
+    10-minute timeout."""
     script = tmp_path / "section.py"
     script.write_text(SECTION)
     run = succeeded(torchrun(script, 2))
     for rank in (0, 1):  # (the two ranks' lines may interleave in the pipe)
-        assert (f"rank {rank}: RuntimeError: rank 0 failed in a test: TypeError: can only concatenate list (not "
-                "\"NoneType\") to list") in run.output, run.output
+        assert (
+            f"rank {rank}: RuntimeError: rank 0 failed in a test: TypeError: can only concatenate "
+            'list (not "NoneType") to list'
+        ) in run.output, run.output
 
 
 def test_a_damaged_checkpoint_set_aside_never_takes_a_name_in_use(tmp_path):
     for name in ("damaged-step-4", "damaged-step-4-2"):
         (tmp_path / name).mkdir()
-    assert checkpoints._unused(str(tmp_path / "damaged-step-4")) == str(tmp_path / "damaged-step-4-3")
+    assert checkpoints._unused(str(tmp_path / "damaged-step-4")) == str(
+        tmp_path / "damaged-step-4-3"
+    )
     assert checkpoints._unused(str(tmp_path / "damaged-step-8")) == str(tmp_path / "damaged-step-8")

@@ -166,8 +166,8 @@ def test_blocks_cut_anywhere_are_the_whole_model_and_the_pipeline_takes_it():
 
 
 def test_evaluation_counts_targets_not_samples():
-    """training.evaluate over a fake forward with known logits: a language model's (B, T, C) logits and
-    (B, T) labels give the loss per target and the accuracy of next-token prediction, and (B, C)
+    """training.evaluate over a fake forward with known logits: a language model's (B, T, C) logits
+    and (B, T) labels give the loss per target and the accuracy of next-token prediction, and (B, C)
     logits (BabyCNN's) per sample, as before; over 2 ranks, with padding, the sums add up."""
     samples, tokens, classes = 5, 4, 3
     labels = torch.arange(samples * tokens).remainder(classes).view(samples, tokens)  # 0, 1, 2, 0
@@ -181,7 +181,8 @@ def test_evaluation_counts_targets_not_samples():
     for dense in (True, False):
         y = labels if dense else labels[:, 0]
         batches = training.Batches(TensorDataset(inputs, y), 2, torch.device("cpu"), torch.float32)
-        totals = sum(training.evaluate(forward, batches, rank, 2) for rank in range(2))  # 3 + 2 samples
+        # 3 + 2 samples
+        totals = sum(training.evaluate(forward, batches, rank, 2) for rank in range(2))
         right = int((y == 0).sum())
         loss = right * math.log(2) + (y.numel() - right) * math.log(4)  # -log(2/4), -log(1/4)
         assert totals.tolist() == pytest.approx([loss, right, y.numel()])

@@ -24,18 +24,10 @@ from conftest import (
 import train_pippy
 from plumbing import failures
 
-ACCUMULATE = [
-    "--batch-size",
-    "16",
-    "--grad-accum",
-    "2",
-    "--microbatches",
-    "4",
-]  # 2 micro-steps of 4 microbatches
-NEIGHBOURS_REFUSED = torch.__version__ < (
-    2,
-    14,
-)  # two neighbouring stages on one rank, on gloo: train_pippy.py
+# 2 micro-steps of 4 microbatches
+ACCUMULATE = ["--batch-size", "16", "--grad-accum", "2", "--microbatches", "4"]
+# two neighbouring stages on one rank, on gloo: train_pippy.py
+NEIGHBOURS_REFUSED = torch.__version__ < (2, 14)
 # name: (ranks, flags); every layout has global batch 32. Every schedule runs with accumulation
 # (where the schedule's own gradient scaling went wrong), and 4 stages without. Replicas average
 # their gradients in one all-reduce after the schedule's step, whatever the schedule (DDP inside a
@@ -166,9 +158,8 @@ def test_every_schedule_matches_one_ddp_process(
     assert sorted(b for r in metrics["ranks"] for bs in r["blocks"] for b in bs) == sorted(
         [0, 1, 2, 3] * metrics["data_parallel"]
     )
-    if (
-        metrics["data_parallel"] == 2
-    ):  # pipeline outermost: a stage's replicas are neighbouring ranks
+    # pipeline outermost: a stage's replicas are neighbouring ranks
+    if metrics["data_parallel"] == 2:
         assert [r["stages"] for r in metrics["ranks"]] == [[0, 2], [0, 2], [1, 3], [1, 3]]
 
 
@@ -254,10 +245,8 @@ def test_the_pipeline_trains_in_bf16(short_runs):
     )
     assert all(loss == loss and abs(loss) < 1e3 for loss in bf16 + fp32), (bf16, fp32)  # finite
     fall = fp32[0] - fp32[-1]
-    assert fall > 0.5 and bf16[0] - bf16[-1] > 0.5, (
-        bf16,
-        fp32,
-    )  # both learn (ln 10 = 2.3 at the start)
+    # both learn (ln 10 = 2.3 at the start)
+    assert fall > 0.5 and bf16[0] - bf16[-1] > 0.5, (bf16, fp32)
     gap = max(abs(a - b) for a, b in zip(bf16, fp32))
     # bf16 follows fp32 (here the gap was 0.10 and the fall 2.3: bf16's rounding grows over the
     # steps) ...
@@ -354,7 +343,11 @@ def test_too_few_microbatches_are_refused_where_batch_not_divisible_is(schedule)
     # no launch needed. GPipe with 1 microbatch on 2 stages: torch 2.9's schedule raises a traceback
     # where 2.14's runs.
     args = argparse.Namespace(
-        batch_size=32, microbatches=1, schedule=schedule, data_parallel=1, stages_per_rank=None,
+        batch_size=32,
+        microbatches=1,
+        schedule=schedule,
+        data_parallel=1,
+        stages_per_rank=None,
         compile=False,
     )
     with pytest.raises(

@@ -63,7 +63,8 @@ BREAKS = {
         "        optimizer = training.make_optimizer(args, model.parameters())\n", ""
     ).replace(
         "        # ---- wrap:",
-        "        optimizer = training.make_optimizer(args, model.parameters())\n        # ---- wrap:",
+        "        optimizer = training.make_optimizer(args, model.parameters())\n"
+        "        # ---- wrap:",
     ),
     "no-all-reduce-in-backward": lambda text: text.replace(
         "AllReduceBackward.apply(x, group)", "x"
@@ -77,9 +78,8 @@ def test_each_mistake_trains_another_model(name, reference, mnist_dir, tmp_path)
     text = (ROOT / "train_tp.py").read_text()
     broken = BREAKS[name](text)
     assert broken != text, "the script changed: the break no longer applies"
-    script = (
-        tmp_path / "train_tp.py"
-    )  # it imports plumbing and models from the repository (PYTHONPATH)
+    # it imports plumbing and models from the repository (PYTHONPATH)
+    script = tmp_path / "train_tp.py"
     script.write_text(broken)
     succeeded(
         torchrun(
