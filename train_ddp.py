@@ -55,6 +55,9 @@ def main():
             train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True
         )
         plan = training.Plan(args, len(sampler), world_size, dataset_name)
+        # Outputs checked now, not after training: rank 0 tries a write where each one goes.
+        checkpointer = checkpoints.Checkpointer(args, dataset_name, plan.global_batch_size, device)
+        checkpointer.check_outputs()  # collective
         seed = hash((args.seed, rank))  # this rank's DataLoader workers' random streams
         train_batches = training.Batches(
             train_set, args.batch_size, device, dtype, args.workers, seed
@@ -84,8 +87,6 @@ def main():
         optimizer = training.make_optimizer(args, model.parameters())
 
         # ---- resume: every rank loads its part of the newest checkpoint, if any ----
-        checkpointer = checkpoints.Checkpointer(args, dataset_name, plan.global_batch_size, device)
-        checkpointer.check_outputs()  # collective
         resumed = checkpointer.resume(model, optimizer, plan.peak_lr, log)  # collective
         what = f"DDP on {world_size} rank(s)" if world_size > 1 else "one process, no DDP wrapper"
         figures = watch.describe(args, plan, param_count, flops, dataset_name)

@@ -107,6 +107,9 @@ def main():
             train_set, args.data_parallel, dp_rank, shuffle=True, seed=args.seed, drop_last=True
         )
         plan = training.Plan(args, len(sampler), args.data_parallel, dataset_name, "replicas")
+        # Outputs checked now, not after training: rank 0 tries a write where each one goes.
+        checkpointer = checkpoints.Checkpointer(args, dataset_name, plan.global_batch_size, device)
+        checkpointer.check_outputs()  # collective
         seed = hash((args.seed, dp_rank))  # this replica's DataLoader workers' random streams
         train_batches = training.Batches(
             train_set, args.batch_size, device, dtype, args.workers, seed
@@ -147,8 +150,6 @@ def main():
         optimizer = training.make_optimizer(args, model.parameters())
 
         # ---- resume: every rank loads its part of the newest checkpoint, if any ----
-        checkpointer = checkpoints.Checkpointer(args, dataset_name, plan.global_batch_size, device)
-        checkpointer.check_outputs()  # collective
         resumed = checkpointer.resume(model, optimizer, plan.peak_lr, log)  # collective
         what = f"pipeline ({args.schedule}, {num_stages} stages: blocks {stage_blocks}, "
         what += f"{args.microbatches} microbatches) x {args.data_parallel} replica(s)"

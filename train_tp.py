@@ -73,6 +73,9 @@ def main():
             train_set, dp, dp_rank, shuffle=True, seed=args.seed, drop_last=True
         )
         plan = training.Plan(args, len(sampler), dp, dataset_name, "tp groups")
+        # Outputs checked now, not after training: rank 0 tries a write where each one goes.
+        checkpointer = checkpoints.Checkpointer(args, dataset_name, plan.global_batch_size, device)
+        checkpointer.check_outputs()  # collective
         seed = hash((args.seed, dp_rank))  # this group's DataLoader workers' random streams
         train_batches = training.Batches(
             train_set, args.batch_size, device, dtype, args.workers, seed
@@ -96,8 +99,6 @@ def main():
         optimizer = training.make_optimizer(args, model.parameters())
 
         # ---- resume: every rank loads its part of the newest checkpoint, if any ----
-        checkpointer = checkpoints.Checkpointer(args, dataset_name, plan.global_batch_size, device)
-        checkpointer.check_outputs()  # collective
         resumed = checkpointer.resume(model, optimizer, plan.peak_lr, log)  # collective
         mesh_shape = tuple(mesh.shape)
         what = f"TP {args.tp} x FSDP {dp} (mesh (dp, tp) {mesh_shape}) on {world_size} rank(s)"

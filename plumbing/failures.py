@@ -41,9 +41,13 @@ class Stopped(Exception):
     """A stop signal the ranks agreed on: its line, and exit code 128 + the signal."""
 
 
+def is_rank_0():  # the one gate for what rank 0 alone prints or writes (torchrun sets RANK)
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def say(line, rank=None):
     """Print ``line`` on stderr from global rank 0 (or ``rank`` 0), naming torchrun's restart."""
-    if (int(os.environ.get("RANK", "0")) if rank is None else rank) != 0:
+    if not (is_rank_0() if rank is None else rank == 0):
         return False
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     print(line + (f" (torchrun restart {restart})" if restart else ""), file=sys.stderr, flush=True)
@@ -229,8 +233,7 @@ class StopSignals:
                 if first is None:
                     first, self.received = time.monotonic(), number
                 elif time.monotonic() - first > 1:
-                    rank = int(os.environ.get("RANK", "0"))
-                    name = signal.Signals(number).name
+                    rank, name = os.environ.get("RANK", "0"), signal.Signals(number).name
                     say(f"{name} again: rank {rank} ends now, with no checkpoint", 0)
                     os._exit(128 + number)
 

@@ -14,11 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
 from plumbing.checkpoints import save_json, write_atomically
-from plumbing.failures import UsageError
-
-
-def is_rank_0():  # the one gate for what rank 0 alone prints or writes (torchrun sets RANK)
-    return int(os.environ.get("RANK", "0")) == 0
+from plumbing.failures import UsageError, is_rank_0
 
 
 def log(line):

@@ -37,9 +37,10 @@ SCRIPTS = ["train_ddp.py", "train_fsdp.py", "train_pippy.py"]
 MAX_FORMATTED = {"train_ddp.py": 1471, "train_fsdp.py": 1578, "train_pippy.py": 1759}
 # Collective calls outside the scripts: 7 since issue 42, whose --init-from broadcasts (behind a
 # call marked collective) and whose plumbing/consolidate.py calls dcp.load without a process group
-# (no collective there); 8 since issue 41 gathered --metrics' per-rank figures in one place
-# (watch.write_metrics, marked collective).
-MAX_HIDDEN_COLLECTIVES = 8
+# (no collective there); 9 since issue 41 put what the four scripts repeated in one place: the
+# --metrics gather (watch.write_metrics) and the stop agreement (StopSignals.agree_now), both marked
+# collective where the scripts call them.
+MAX_HIDDEN_COLLECTIVES = 9
 # The collectives of torch.distributed, and DCP's save and load, which are collectives too.
 COLLECTIVES = {
     "all_reduce",
@@ -368,7 +369,7 @@ def collective_calls(path):
     ]
 
 
-def test_at_most_eight_collectives_live_outside_the_scripts():
+def test_at_most_nine_collectives_live_outside_the_scripts():
     hidden = {
         p.relative_to(ROOT).as_posix(): collective_calls(p)
         for p in sorted([*ROOT.glob("plumbing/*.py"), *ROOT.glob("models/*.py")])
