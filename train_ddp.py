@@ -33,8 +33,7 @@ from plumbing.watch import log
 
 
 def main():
-    parser = training.parser(__doc__.splitlines()[0], data.add_arguments)
-    args = parser.parse_args()
+    args = training.parser(__doc__.splitlines()[0], data.add_arguments).parse_args()
 
     # ---- setup: one process per device, all of them in one process group ----
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks its device
@@ -45,143 +44,128 @@ def main():
     dist.init_process_group(backend, **failures.process_group_options(device))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dtype, autocast = training.dtype_of(args), training.autocast(args, device)
-    progress = ddp_model = None
-    try:
-        # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
-        # collective: every rank sees what each found, so all train on the same data
-        dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
-        # drop_last: else the sampler pads the shards by repeating samples, counted twice.
-        sampler = DistributedSampler(
-            train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True
-        )
-        plan = training.Plan(args, len(sampler), world_size, dataset_name)
-        # Outputs checked now, not after training: rank 0 tries a write where each one goes.
-        checkpointer = checkpoints.Checkpointer(args, dataset_name, plan.global_batch_size, device)
-        checkpointer.check_outputs()  # collective
-        seed = hash((args.seed, rank))  # this rank's DataLoader workers' random streams
-        train_batches = training.Batches(
-            train_set, args.batch_size, device, dtype, args.workers, seed
-        )
-        test_batches = training.Batches(test_set, 512, device, dtype, args.workers)
 
-        # ---- model: the same initial weights on every rank, from the seed ----
-        torch.manual_seed(args.seed)
-        channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W)
-        model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
-        if args.init_from:  # rank 0 reads the file and broadcasts each weight
-            checkpoints.init_from(model, args.init_from, log)  # collective
-        param_count = sum(p.numel() for p in model.parameters())
-        flops = watch.flops_per_sample(model, next(test_batches([0]))[0])  # forward + backward
+    # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
+    # collective: every rank sees what each found, so all train on the same data
+    dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
+    # drop_last: else the sampler pads the shards by repeating samples, counted twice.
+    sampler = DistributedSampler(
+        train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True
+    )
+    plan = training.Plan(args, len(sampler), world_size, dataset_name)
+    checkpointer = checkpoints.Checkpointer(args, dataset_name, plan.global_batch_size, device)
+    checkpointer.check_outputs()  # collective: rank 0 tries a write where each output goes
+    seed = hash((args.seed, rank))  # this rank's DataLoader workers' random streams
+    train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
+    test_batches = training.Batches(test_set, 512, device, dtype, args.workers)
 
-        if args.compile:  # the whole model in place (names stay); on a GPU, with CUDA graphs
-            model.compile(mode="reduce-overhead" if device.type == "cuda" else None)
-        # A CUDA graph's replay reuses its outputs' memory: gradients summed over micro-steps
-        # need buffers of their own, zeroed each step instead of freed.
-        keep_grads = args.compile and device.type == "cuda" and args.grad_accum > 1
-        for p in model.parameters() if keep_grads else ():
-            p.grad = torch.zeros_like(p)
+    # ---- model: the same initial weights on every rank, from the seed ----
+    torch.manual_seed(args.seed)
+    channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W)
+    model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
+    if args.init_from:  # rank 0 reads the file and broadcasts each weight
+        checkpoints.init_from(model, args.init_from, log)  # collective
+    param_count = sum(p.numel() for p in model.parameters())
+    flops = watch.flops_per_sample(model, next(test_batches([0]))[0])  # forward + backward
+    keep_grads = compile_model(model, args, device)  # --compile
 
-        # ---- wrap: DDP keeps a full replica here and averages gradients across ranks ----
-        ddp_model = wrap_ddp(model, device, world_size)
-        no_sync = ddp_model.no_sync if world_size > 1 else nullcontext
-        optimizer = training.make_optimizer(args, model.parameters())
+    # ---- wrap: DDP keeps a full replica here and averages gradients across ranks ----
+    ddp_model = wrap_ddp(model, device, world_size)
+    no_sync = ddp_model.no_sync if world_size > 1 else nullcontext
+    optimizer = training.make_optimizer(args, model.parameters())
 
-        # ---- resume: every rank loads its part of the newest checkpoint, if any ----
-        resumed = checkpointer.resume(model, optimizer, plan.peak_lr, log)  # collective
-        what = f"DDP on {world_size} rank(s)" if world_size > 1 else "one process, no DDP wrapper"
-        figures = watch.describe(args, plan, param_count, flops, dataset_name)
-        log(f"{what} ({backend}, {device.type}): {figures}")
+    # ---- resume: every rank loads its part of the newest checkpoint, if any ----
+    resumed = checkpointer.resume(model, optimizer, plan.peak_lr, log)  # collective
+    what = f"DDP on {world_size} rank(s)" if world_size > 1 else "one process, no DDP wrapper"
+    log(f"{what} ({backend}, {device.type}): {watch.describe(args, plan, param_count, flops)}")
 
-        # ---- train loop ----
-        progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
-        profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
-        window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device
-        stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
-        test_loss = test_accuracy = None  # stay None with --no-eval
-        skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
-        for epoch in range(resumed["epoch"], plan.epochs):
-            sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-            model.train()
-            progress.start_epoch(epoch)
-            first, skip = skip, 0
-            last = min(plan.steps_per_epoch, first + plan.total_steps - progress.step)
-            batches = train_batches(list(sampler)[first * plan.samples_per_step :])
-            for step_in_epoch in range(first, last):
-                optimizer.zero_grad(set_to_none=not keep_grads)
-                for micro_step in range(args.grad_accum):
-                    images, labels = next(batches)
-                    # no_sync: keep gradients local; the last micro-step all-reduces their sum
-                    last_micro_step = micro_step == args.grad_accum - 1
-                    with nullcontext() if last_micro_step else no_sync():
-                        with autocast:
-                            loss = F.cross_entropy(ddp_model(images), labels)
-                        (loss / args.grad_accum).backward()  # the mean over micro-steps
-                    window_loss += loss.detach()
-                    window_count += 1
-                if args.max_grad_norm:  # all-reduced gradients: the same global norm everywhere
-                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                lr = plan.lr(progress.step)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                optimizer.step()
-                progress.count_step()
-                log_now = progress.is_logging_step(end_of_epoch=step_in_epoch == last - 1)
-                # collective at logging steps and about once a second: the ranks agree on a stop
-                stop_signal = stop.agree_now(progress.step, log_now, device)
-                if log_now or stop_signal:  # one all-reduce per window: the mean over all ranks
-                    dist.all_reduce(window_loss)
-                    mean_loss = window_loss.item() / (window_count * world_size)
-                    checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
-                    grad_norm = norm.item() if args.max_grad_norm else None  # before clipping
-                    progress.record_loss(mean_loss, "loss (all ranks)", lr, grad_norm)
-                    window_loss.zero_()
-                    window_count = 0
-                profiler.after_step(progress.step)  # --profile-steps: starts or stops here
-                # Also at the last step: a job requeued after it finished has nothing left.
-                last_step = progress.step == plan.total_steps
-                if checkpointer.is_due(progress.step, now=stop_signal or last_step):
-                    for buffer in model.buffers():  # each rank's statistics: rank 0's are saved
-                        dist.broadcast(buffer, src=0)
-                    done = (step_in_epoch + 1) * plan.global_batch_size
-                    position = {"epoch": epoch, "samples_into_epoch": done}
-                    # collective; it refuses weights or a loss that are not finite
-                    checkpointer.save(
-                        progress.step, position, model, optimizer, plan.peak_lr, window_loss
-                    )
-                if stop_signal and not last_step:  # at the last step it just finishes
-                    raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
+    # ---- train loop ----
+    progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
+    profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
+    window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device
+    stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
+    test_loss = test_accuracy = None  # stay None with --no-eval
+    skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
+    for epoch in range(resumed["epoch"], plan.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        model.train()
+        progress.start_epoch(epoch)
+        first, skip = skip, 0
+        last = min(plan.steps_per_epoch, first + plan.total_steps - progress.step)
+        batches = train_batches(list(sampler)[first * plan.samples_per_step :])
+        for step_in_epoch in range(first, last):
+            optimizer.zero_grad(set_to_none=not keep_grads)
+            for micro_step in range(args.grad_accum):
+                images, labels = next(batches)
+                # no_sync: keep gradients local; the last micro-step all-reduces their sum
+                last_micro_step = micro_step == args.grad_accum - 1
+                with nullcontext() if last_micro_step else no_sync():
+                    with autocast:
+                        loss = F.cross_entropy(ddp_model(images), labels)
+                    (loss / args.grad_accum).backward()  # the mean over micro-steps
+                window_loss += loss.detach()
+                window_count += 1
+            if args.max_grad_norm:  # all-reduced gradients: the same global norm everywhere
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            lr = plan.lr(progress.step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.step()
+            progress.count_step()
+            log_now = progress.is_logging_step(end_of_epoch=step_in_epoch == last - 1)
+            # collective at logging steps and about once a second: the ranks agree on a stop
+            stop_signal = stop.agree_now(progress.step, log_now, device)
+            if log_now or stop_signal:  # one all-reduce per window: the mean over all ranks
+                dist.all_reduce(window_loss)
+                mean_loss = window_loss.item() / (window_count * world_size)
+                checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
+                grad_norm = norm.item() if args.max_grad_norm else None  # before clipping
+                progress.record_loss(mean_loss, "loss (all ranks)", lr, grad_norm)
+                window_loss.zero_()
+                window_count = 0
+            profiler.after_step(progress.step)  # --profile-steps: starts or stops here
+            # Also at the last step: a job requeued after it finished has nothing left.
+            last_step = progress.step == plan.total_steps
+            if checkpointer.is_due(progress.step, now=stop_signal or last_step):
+                for buffer in model.buffers():  # each rank's statistics: rank 0's are saved
+                    dist.broadcast(buffer, src=0)
+                done = (step_in_epoch + 1) * plan.global_batch_size
+                where = {"epoch": epoch, "samples_into_epoch": done}
+                # collective; it refuses weights or a loss that are not finite
+                checkpointer.save(progress.step, where, model, optimizer, plan.peak_lr, window_loss)
+            if stop_signal and not last_step:  # at the last step it just finishes
+                raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
 
-            # ---- evaluate: each rank scores a slice of the test set; the sums are all-reduced ----
-            if args.no_eval:
-                continue
-            for buffer in model.buffers():  # BatchNorm's statistics: rank 0's, which it saves
-                dist.broadcast(buffer, src=0)
-            model.eval()
-            with autocast:  # loss sum, correct, count on this rank
-                totals = training.evaluate(model, test_batches, rank, world_size)
-            dist.all_reduce(totals)
-            test_loss, test_accuracy = (totals[:2] / totals[2]).tolist()
+        # ---- evaluate: each rank scores a slice of the test set; the sums are all-reduced ----
+        if not args.no_eval:
+            test_loss, test_accuracy = evaluate(model, test_batches, autocast)
             progress.record_test(test_loss, test_accuracy)  # the epoch's line, and a row
-        progress.close()  # the bar's last state stays on the screen
+    progress.close()  # the bar's last state stays on the screen
 
-        # ---- save: rank 0 writes the plain model's weights (no wrapper's "module." prefix) ----
-        if args.save:
-            write = lambda: checkpoints.save_state_dict(model.state_dict(), args.save)  # noqa: E731
-            # collective: whatever rank 0's write raises, every rank raises
-            failures.on_rank_0(write, "writing --save")
-            log(f"saved the weights to {args.save}")
-        if args.metrics:
-            run = {"strategy": "ddp", "global_batch_size": plan.global_batch_size}
-            run |= {"test_loss": test_loss, "test_accuracy": test_accuracy}
-            run |= {"param_count": param_count, "dataset": dataset_name, "peak_lr": plan.peak_lr}
-            memory = watch.memory(model, optimizer, device)
-            # collective: rank 0 gathers every rank's memory and writes the file
-            watch.write_metrics(args.metrics, run, memory, progress, flops, args, device)
-    finally:
-        if progress:  # the CSV and TensorBoard's events are closed however the run ends
-            progress.close()
-        ddp_model = no_sync = None  # DDP holds the group: let go first, then end gloo's threads
-        dist.destroy_process_group()
+    # ---- save: rank 0 writes the plain model's weights (no wrapper's "module." prefix) ----
+    if args.save:
+        write = lambda: checkpoints.save_state_dict(model.state_dict(), args.save)  # noqa: E731
+        # collective: whatever rank 0's write raises, every rank raises
+        failures.on_rank_0(write, "writing --save")
+        log(f"saved the weights to {args.save}")
+    if args.metrics:  # collective: rank 0 gathers every rank's memory and writes the file
+        run = {"strategy": "ddp", "test_loss": test_loss, "test_accuracy": test_accuracy}
+        watch.write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run)
+
+
+def compile_model(model, args, device):
+    """--compile: the whole model in place (names stay); on a GPU, with CUDA graphs.
+
+    A CUDA graph's replay reuses its outputs' memory: gradients summed over micro-steps need
+    buffers of their own, kept and zeroed each step. Returns whether they are kept.
+    """
+    if not args.compile:
+        return False
+    model.compile(mode="reduce-overhead" if device.type == "cuda" else None)
+    keep_grads = device.type == "cuda" and args.grad_accum > 1
+    for p in model.parameters() if keep_grads else ():
+        p.grad = torch.zeros_like(p)
+    return keep_grads
 
 
 def wrap_ddp(model, device, world_size):
@@ -194,6 +178,17 @@ def wrap_ddp(model, device, world_size):
         return model
     device_ids = [device.index] if device.type == "cuda" else None
     return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+
+
+def evaluate(model, test_batches, autocast):
+    """Collective: the test loss and accuracy over every rank's slice, with rank 0's statistics."""
+    for buffer in model.buffers():  # BatchNorm's statistics: rank 0's, which it saves
+        dist.broadcast(buffer, src=0)
+    model.eval()
+    with autocast:  # loss sum, correct, count on this rank
+        totals = training.evaluate(model, test_batches, dist.get_rank(), dist.get_world_size())
+    dist.all_reduce(totals)
+    return (totals[:2] / totals[2]).tolist()
 
 
 if __name__ == "__main__":

@@ -41,7 +41,140 @@ from plumbing.watch import log
 
 
 def main():
-    parser = training.parser(__doc__.splitlines()[0], data.add_arguments)
+    parser = training.parser(__doc__.splitlines()[0], data.add_arguments, add_arguments)
+    args = parser.parse_args()
+
+    # ---- setup: one process per device, all of them in one process group ----
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks its device
+    device = training.pick_device(args.device, local_rank)  # one line if too few GPUs
+    check_flags(args, device)
+    # Find (or download) the data first: no collective's timeout runs during a download.
+    found = data.find(args.dataset, args.data_dir, download=not args.no_download)
+    backend = dist.get_default_backend_for_device(device)  # NCCL on NVIDIA GPUs, gloo on CPUs
+    dist.init_process_group(backend, **failures.process_group_options(device))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    dtype = training.dtype_of(args)  # bf16 comes from MixedPrecisionPolicy below
+    mesh = make_mesh(args, device, world_size)  # 1-D, or 2-D for hybrid sharding
+    # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
+    # collective: every rank sees what each found, so all train on the same data
+    dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
+    # drop_last: else the sampler pads the shards by repeating samples, counted twice.
+    sampler = DistributedSampler(
+        train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True
+    )
+    plan = training.Plan(args, len(sampler), world_size, dataset_name)
+    checkpointer = checkpoints.Checkpointer(args, dataset_name, plan.global_batch_size, device)
+    checkpointer.check_outputs()  # collective: rank 0 tries a write where each output goes
+    seed = hash((args.seed, rank))  # this rank's DataLoader workers' random streams
+    train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
+    test_batches = training.Batches(test_set, 512, device, dtype, args.workers)
+
+    # ---- model: whole on every rank, from the seed: train_ddp.py's weights, for any model ----
+    # fully_shard below keeps only this rank's shard of each. (A model too big for one
+    # device is built on the meta device instead: docs/fsdp.md says when and how.)
+    torch.manual_seed(args.seed)
+    channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W)
+    model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
+    if args.init_from:  # rank 0 reads the file and broadcasts each weight
+        checkpoints.init_from(model, args.init_from, log)  # collective
+    param_count = sum(p.numel() for p in model.parameters())
+    flops = watch.flops_per_sample(model, next(test_batches([0]))[0])  # forward + backward
+
+    # ---- wrap: shard each block (one all-gather unit each), then the root ----
+    shard(model, args, mesh)
+    optimizer = training.make_optimizer(args, model.parameters())
+
+    # ---- resume: every rank loads its part of the newest checkpoint, if any ----
+    resumed = checkpointer.resume(model, optimizer, plan.peak_lr, log)  # collective
+    recompute = ", activation checkpointing" if args.activation_checkpointing else ""
+    mesh_shape = tuple(mesh.shape)
+    what = f"FSDP ({args.sharding}{recompute}, mesh {mesh_shape}) on {world_size} rank(s)"
+    figures = watch.describe(args, plan, param_count, flops)
+    log(f"{what} ({backend}, {device.type}): {figures}")
+
+    # ---- train loop ----
+    progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
+    profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
+    window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device
+    stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
+    test_loss = test_accuracy = None  # stay None with --no-eval
+    skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
+    for epoch in range(resumed["epoch"], plan.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        model.train()
+        progress.start_epoch(epoch)
+        first, skip = skip, 0
+        last = min(plan.steps_per_epoch, first + plan.total_steps - progress.step)
+        batches = train_batches(list(sampler)[first * plan.samples_per_step :])
+        for step_in_epoch in range(first, last):
+            optimizer.zero_grad(set_to_none=True)
+            for micro_step in range(args.grad_accum):
+                images, labels = next(batches)
+                # Keep unsharded gradients local; the last micro-step reduce-scatters their sum
+                last_micro_step = micro_step == args.grad_accum - 1
+                model.set_requires_gradient_sync(last_micro_step)
+                loss = F.cross_entropy(model(images), labels)
+                (loss / args.grad_accum).backward()  # the mean over micro-steps
+                window_loss += loss.detach()
+                window_count += 1
+            if args.max_grad_norm:
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                norm = torch.nn.utils.get_total_norm(grads)  # of the shards: "Partial"
+                norm = norm.full_tensor()  # collective: all-reduces into the global norm
+                torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.max_grad_norm, norm)
+            lr = plan.lr(progress.step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.step()
+            progress.count_step()
+            log_now = progress.is_logging_step(end_of_epoch=step_in_epoch == last - 1)
+            # collective at logging steps and about once a second: the ranks agree on a stop
+            stop_signal = stop.agree_now(progress.step, log_now, device)
+            if log_now or stop_signal:  # one all-reduce per window: the mean over all ranks
+                dist.all_reduce(window_loss)
+                mean_loss = window_loss.item() / (window_count * world_size)
+                checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
+                grad_norm = norm.item() if args.max_grad_norm else None  # before clipping
+                progress.record_loss(mean_loss, "loss (all ranks)", lr, grad_norm)
+                window_loss.zero_()
+                window_count = 0
+            profiler.after_step(progress.step)  # --profile-steps: starts or stops here
+            # Also at the last step: a job requeued after it finished has nothing left.
+            last_step = progress.step == plan.total_steps
+            if checkpointer.is_due(progress.step, now=stop_signal or last_step):
+                for buffer in model.buffers():  # each rank's statistics: rank 0's are saved
+                    dist.broadcast(buffer, src=0)
+                done = (step_in_epoch + 1) * plan.global_batch_size
+                where = {"epoch": epoch, "samples_into_epoch": done}
+                # collective; it refuses weights or a loss that are not finite
+                checkpointer.save(progress.step, where, model, optimizer, plan.peak_lr, window_loss)
+            if stop_signal and not last_step:  # at the last step it just finishes
+                raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
+
+        # ---- evaluate: each rank scores a slice of the test set; the sums are all-reduced ----
+        if not args.no_eval:
+            test_loss, test_accuracy = evaluate(model, test_batches, mesh)
+            progress.record_test(test_loss, test_accuracy)  # the epoch's line, and a row
+    progress.close()  # the bar's last state stays on the screen
+
+    # ---- save: every rank sends its shards; rank 0 gets the full state dict and writes ----
+    if args.save:
+        full_state = gather_full_state_dict(model)  # collective: in rank 0's CPU memory
+        write = lambda: checkpoints.save_state_dict(full_state, args.save)  # noqa: E731
+        # collective: whatever rank 0's write raises, every rank raises
+        failures.on_rank_0(write, "writing --save")
+        log(f"saved the weights to {args.save}")
+    if args.metrics:  # collective: rank 0 gathers every rank's memory and writes the file
+        run = {"strategy": "fsdp", "sharding": args.sharding, "mesh": list(mesh.shape)}
+        run |= {"activation_checkpointing": args.activation_checkpointing}
+        run |= {"test_loss": test_loss, "test_accuracy": test_accuracy}
+        watch.write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run)
+    # torch 2.14's DTensor caches keep the mesh, and the mesh its group: let go of it
+    # (private; 2.9 has none), or gloo's threads live into shutdown, where they may abort.
+    getattr(mesh, "_pg_registry", {}).clear()
+
+
+def add_arguments(parser):  # FSDP's flags
     add = parser.add_argument
     add(
         "--sharding",
@@ -62,164 +195,6 @@ def main():
         help="keep only each block's input for backward and recompute the rest there",
     )
     add("--cpu-offload", action="store_true", help="keep shards and optimizer state in CPU memory")
-    args = parser.parse_args()
-
-    # ---- setup: one process per device, all of them in one process group ----
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks its device
-    device = training.pick_device(args.device, local_rank)  # one line if too few GPUs
-    check_flags(args, device)
-    # Find (or download) the data first: no collective's timeout runs during a download.
-    found = data.find(args.dataset, args.data_dir, download=not args.no_download)
-    backend = dist.get_default_backend_for_device(device)  # NCCL on NVIDIA GPUs, gloo on CPUs
-    dist.init_process_group(backend, **failures.process_group_options(device))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    dtype = training.dtype_of(args)  # bf16 comes from MixedPrecisionPolicy below
-    progress = mesh = None
-    try:
-        mesh = make_mesh(args, device, world_size)  # 1-D, or 2-D for hybrid sharding
-        # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
-        # collective: every rank sees what each found, so all train on the same data
-        dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
-        # drop_last: else the sampler pads the shards by repeating samples, counted twice.
-        sampler = DistributedSampler(
-            train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True
-        )
-        plan = training.Plan(args, len(sampler), world_size, dataset_name)
-        # Outputs checked now, not after training: rank 0 tries a write where each one goes.
-        checkpointer = checkpoints.Checkpointer(args, dataset_name, plan.global_batch_size, device)
-        checkpointer.check_outputs()  # collective
-        seed = hash((args.seed, rank))  # this rank's DataLoader workers' random streams
-        train_batches = training.Batches(
-            train_set, args.batch_size, device, dtype, args.workers, seed
-        )
-        test_batches = training.Batches(test_set, 512, device, dtype, args.workers)
-
-        # ---- model: whole on every rank, from the seed: train_ddp.py's weights, for any model ----
-        # fully_shard below keeps only this rank's shard of each. (A model too big for one
-        # device is built on the meta device instead: docs/fsdp.md says when and how.)
-        torch.manual_seed(args.seed)
-        channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W)
-        model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
-        if args.init_from:  # rank 0 reads the file and broadcasts each weight
-            checkpoints.init_from(model, args.init_from, log)  # collective
-        param_count = sum(p.numel() for p in model.parameters())
-        flops = watch.flops_per_sample(model, next(test_batches([0]))[0])  # forward + backward
-
-        # ---- wrap: shard each block (one all-gather unit each), then the root ----
-        shard(model, args, mesh)
-        optimizer = training.make_optimizer(args, model.parameters())
-
-        # ---- resume: every rank loads its part of the newest checkpoint, if any ----
-        resumed = checkpointer.resume(model, optimizer, plan.peak_lr, log)  # collective
-        recompute = ", activation checkpointing" if args.activation_checkpointing else ""
-        mesh_shape = tuple(mesh.shape)
-        what = f"FSDP ({args.sharding}{recompute}, mesh {mesh_shape}) on {world_size} rank(s)"
-        figures = watch.describe(args, plan, param_count, flops, dataset_name)
-        log(f"{what} ({backend}, {device.type}): {figures}")
-
-        # ---- train loop ----
-        progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
-        profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
-        window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device
-        stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
-        test_loss = test_accuracy = None  # stay None with --no-eval
-        skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
-        for epoch in range(resumed["epoch"], plan.epochs):
-            sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-            model.train()
-            progress.start_epoch(epoch)
-            first, skip = skip, 0
-            last = min(plan.steps_per_epoch, first + plan.total_steps - progress.step)
-            batches = train_batches(list(sampler)[first * plan.samples_per_step :])
-            for step_in_epoch in range(first, last):
-                optimizer.zero_grad(set_to_none=True)
-                for micro_step in range(args.grad_accum):
-                    images, labels = next(batches)
-                    # Keep unsharded gradients local; the last micro-step reduce-scatters their sum
-                    last_micro_step = micro_step == args.grad_accum - 1
-                    model.set_requires_gradient_sync(last_micro_step)
-                    loss = F.cross_entropy(model(images), labels)
-                    (loss / args.grad_accum).backward()  # the mean over micro-steps
-                    window_loss += loss.detach()
-                    window_count += 1
-                if args.max_grad_norm:
-                    grads = [p.grad for p in model.parameters() if p.grad is not None]
-                    norm = torch.nn.utils.get_total_norm(grads)  # of the shards: "Partial"
-                    norm = norm.full_tensor()  # collective: all-reduces into the global norm
-                    torch.nn.utils.clip_grads_with_norm_(
-                        model.parameters(), args.max_grad_norm, norm
-                    )
-                lr = plan.lr(progress.step)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                optimizer.step()
-                progress.count_step()
-                log_now = progress.is_logging_step(end_of_epoch=step_in_epoch == last - 1)
-                # collective at logging steps and about once a second: the ranks agree on a stop
-                stop_signal = stop.agree_now(progress.step, log_now, device)
-                if log_now or stop_signal:  # one all-reduce per window: the mean over all ranks
-                    dist.all_reduce(window_loss)
-                    mean_loss = window_loss.item() / (window_count * world_size)
-                    checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
-                    grad_norm = norm.item() if args.max_grad_norm else None  # before clipping
-                    progress.record_loss(mean_loss, "loss (all ranks)", lr, grad_norm)
-                    window_loss.zero_()
-                    window_count = 0
-                profiler.after_step(progress.step)  # --profile-steps: starts or stops here
-                # Also at the last step: a job requeued after it finished has nothing left.
-                last_step = progress.step == plan.total_steps
-                if checkpointer.is_due(progress.step, now=stop_signal or last_step):
-                    for buffer in model.buffers():  # each rank's statistics: rank 0's are saved
-                        dist.broadcast(buffer, src=0)
-                    done = (step_in_epoch + 1) * plan.global_batch_size
-                    position = {"epoch": epoch, "samples_into_epoch": done}
-                    # collective; it refuses weights or a loss that are not finite
-                    checkpointer.save(
-                        progress.step, position, model, optimizer, plan.peak_lr, window_loss
-                    )
-                if stop_signal and not last_step:  # at the last step it just finishes
-                    raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
-
-            # ---- evaluate: each rank scores a slice of the test set; the sums are all-reduced ----
-            if args.no_eval:
-                continue
-            for buffer in model.buffers():  # BatchNorm's statistics: rank 0's, which it saves
-                dist.broadcast(buffer, src=0)
-            model.eval()
-            # Loss sum, correct, count on this rank; each forward all-gathers: every rank.
-            totals = training.evaluate(model, test_batches, rank, world_size)
-            dist.all_reduce(totals)
-            test_loss, test_accuracy = (totals[:2] / totals[2]).tolist()
-            for module in model.modules():  # no backward follows to free what these gathered
-                if isinstance(module, FSDPModule):  # (the last block; every block with grad-op)
-                    module.reshard()
-            progress.record_test(test_loss, test_accuracy)  # the epoch's line, and a row
-        progress.close()  # the bar's last state stays on the screen
-
-        # ---- save: every rank sends its shards; rank 0 gets the full state dict and writes ----
-        if args.save:
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            full_state = get_model_state_dict(model, options=options)  # collective
-            write = lambda: checkpoints.save_state_dict(full_state, args.save)  # noqa: E731
-            # collective: whatever rank 0's write raises, every rank raises
-            failures.on_rank_0(write, "writing --save")
-            log(f"saved the weights to {args.save}")
-        if args.metrics:
-            run = {"strategy": "fsdp", "global_batch_size": plan.global_batch_size}
-            run |= {"sharding": args.sharding, "mesh": list(mesh.shape)}
-            run |= {"activation_checkpointing": args.activation_checkpointing}
-            run |= {"test_loss": test_loss, "test_accuracy": test_accuracy}
-            run |= {"param_count": param_count, "dataset": dataset_name, "peak_lr": plan.peak_lr}
-            memory = watch.memory(model, optimizer, device)
-            # collective: rank 0 gathers every rank's memory and writes the file
-            watch.write_metrics(args.metrics, run, memory, progress, flops, args, device)
-    finally:
-        if progress:  # the CSV and TensorBoard's events are closed however the run ends
-            progress.close()
-        # torch 2.14's DTensor caches keep the mesh, and the mesh its group: let go of it
-        # (private; 2.9 has none), or gloo's threads live into shutdown, where they may abort.
-        getattr(mesh, "_pg_registry", {}).clear()
-        dist.destroy_process_group()
 
 
 def check_flags(args, device):
@@ -238,6 +213,12 @@ def check_flags(args, device):
             "--max-grad-norm with --cpu-offload: the gradients' norm is on the CPU, where NCCL "
             "cannot all-reduce it; drop one of them"
         )
+
+
+def gather_full_state_dict(model):
+    """Collective: every rank sends its shards; rank 0 gets the whole state dict, in CPU memory."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
 
 
 def make_mesh(args, device, world_size):
@@ -301,6 +282,20 @@ def shard_units(model):
         elif has_parameters(child):
             units.append((model, name))
     return units
+
+
+def evaluate(model, test_batches, mesh):
+    """Collective: the test loss and accuracy over every rank's slice, with rank 0's statistics."""
+    for buffer in model.buffers():  # BatchNorm's statistics: rank 0's, which it saves
+        dist.broadcast(buffer, src=0)
+    model.eval()
+    # Loss sum, correct, count on this rank; each forward all-gathers: every rank.
+    totals = training.evaluate(model, test_batches, dist.get_rank(), dist.get_world_size())
+    dist.all_reduce(totals)
+    for module in model.modules():  # no backward follows to free what these gathered
+        if isinstance(module, FSDPModule):  # (the last block; every block with grad-op)
+            module.reshard()
+    return (totals[:2] / totals[2]).tolist()
 
 
 if __name__ == "__main__":

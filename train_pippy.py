@@ -59,7 +59,174 @@ if torch.__version__ < (2, 14):  # three workarounds for older releases' stages
 
 
 def main():
-    parser = training.parser(__doc__.splitlines()[0], data.add_arguments)
+    parser = training.parser(__doc__.splitlines()[0], data.add_arguments, add_arguments)
+    args = parser.parse_args()
+
+    # ---- setup: one process per device, all of them in one process group ----
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks its device
+    device = training.pick_device(args.device, local_rank)  # one line if too few GPUs
+    # Find (or download) the data first: no collective's timeout runs during a download.
+    found = data.find(args.dataset, args.data_dir, download=not args.no_download)
+    backend = dist.get_default_backend_for_device(device)  # NCCL on NVIDIA GPUs, gloo on CPUs
+    dist.init_process_group(backend, **failures.process_group_options(device))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    dtype, autocast = training.dtype_of(args), training.autocast(args, device)
+    check_flags(args, world_size)
+    mesh = make_mesh(args, device, world_size)  # pipeline ranks x data-parallel replicas
+    dp_rank, dp_group = mesh.get_local_rank("dp"), mesh.get_group("dp")
+    num_stages = mesh["pp"].size() * stages_per_rank(args)
+
+    # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
+    # collective: every rank sees what each found, so all train on the same data
+    dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
+    # Every stage of replica d walks the same shard d. drop_last: else the sampler pads the
+    # shards by repeating samples, counted twice.
+    sampler = DistributedSampler(
+        train_set, args.data_parallel, dp_rank, shuffle=True, seed=args.seed, drop_last=True
+    )
+    plan = training.Plan(args, len(sampler), args.data_parallel, dataset_name, "replicas")
+    checkpointer = checkpoints.Checkpointer(args, dataset_name, plan.global_batch_size, device)
+    checkpointer.check_outputs()  # collective: rank 0 tries a write where each output goes
+    seed = hash((args.seed, dp_rank))  # this replica's DataLoader workers' random streams
+    train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
+    test_batches = training.Batches(test_set, args.batch_size, device, dtype, args.workers)
+
+    # ---- model: whole on every rank, from the seed: train_ddp.py's weights, for any model ----
+    # Then each rank keeps only its stages' blocks. (A model too big for one device is built
+    # on the meta device instead, and each rank initialises its blocks: docs/pipeline.md.)
+    torch.manual_seed(args.seed)
+    channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W)
+    model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
+    if args.init_from:  # rank 0 reads the file and broadcasts each weight
+        checkpoints.init_from(model, args.init_from, log)  # collective
+    param_count = sum(p.numel() for p in model.parameters())
+    flops = watch.flops_per_sample(model, next(test_batches([0]))[0])  # forward + backward
+
+    # ---- wrap: a PipelineStage per local stage, one schedule for all ----
+    sample = next(test_batches([0]))[0][:1]  # one input, as the first stage gets it
+    stages, stage_blocks = build_stages(model, args, sample, mesh, autocast)
+
+    schedule = make_schedule(stages, args, dtype)
+    stage_indices = [stage.stage_index for stage in stages]
+    has_first_stage, has_last_stage = 0 in stage_indices, num_stages - 1 in stage_indices
+    optimizer = training.make_optimizer(args, model.parameters())
+
+    # ---- resume: every rank loads its part of the newest checkpoint, if any ----
+    resumed = checkpointer.resume(model, optimizer, plan.peak_lr, log)  # collective
+    what = f"pipeline ({args.schedule}, {num_stages} stages: blocks {stage_blocks}, "
+    what += f"{args.microbatches} microbatches) x {args.data_parallel} replica(s)"
+    what += f" on {world_size} rank(s)"
+    figures = watch.describe(args, plan, param_count, flops, "replica")
+    log(f"{what} ({backend}, {device.type}): {figures}")
+
+    # ---- train loop ----
+    progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
+    profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
+    window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device
+    stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
+    test_loss = test_accuracy = None  # stay None with --no-eval
+    skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
+    for epoch in range(resumed["epoch"], plan.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        model.train()
+        progress.start_epoch(epoch)
+        first, skip = skip, 0
+        last = min(plan.steps_per_epoch, first + plan.total_steps - progress.step)
+        batches = train_batches(list(sampler)[first * plan.samples_per_step :])
+        for step_in_epoch in range(first, last):
+            optimizer.zero_grad(set_to_none=True)
+            for micro_step in range(args.grad_accum):
+                images, labels = next(batches)
+                # Only the first stage reads inputs, only the last one sees targets and losses.
+                losses = [] if has_last_stage else None
+                # Sends and receives activations and gradients between neighbouring stages.
+                inputs = [images] if has_first_stage else []
+                target = labels if has_last_stage else None
+                schedule.step(*inputs, target=target, losses=losses)
+                if has_last_stage:  # the micro-step's mean (loss_fn divided it)
+                    window_loss += torch.stack(losses).detach().sum() * args.grad_accum
+                window_count += 1
+            grads = [p.grad for p in model.parameters() if p.grad is not None]  # its stages'
+            if args.data_parallel > 1:  # collective: the mean with the stage's replicas
+                average_over_replicas(grads, dp_group)
+            if args.max_grad_norm:  # the whole model's norm: every stage's gradients
+                squares = torch.nn.utils.get_total_norm(grads) ** 2  # this rank's stages
+                dist.all_reduce(squares, group=mesh.get_group("pp"))  # over the pipeline
+                norm = squares.sqrt()
+                torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.max_grad_norm, norm)
+            lr = plan.lr(progress.step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.step()
+            progress.count_step()
+            log_now = progress.is_logging_step(end_of_epoch=step_in_epoch == last - 1)
+            # collective at logging steps and about once a second: the ranks agree on a stop
+            stop_signal = stop.agree_now(progress.step, log_now, device)
+            if log_now or stop_signal:  # only last stages hold a loss: the all-reduce brings it
+                dist.all_reduce(window_loss)
+                mean_loss = window_loss.item() / (window_count * args.data_parallel)
+                checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
+                grad_norm = norm.item() if args.max_grad_norm else None  # before clipping
+                progress.record_loss(mean_loss, "loss (last stage)", lr, grad_norm)
+                window_loss.zero_()
+                window_count = 0
+            profiler.after_step(progress.step)  # --profile-steps: starts or stops here
+            # Also at the last step: a job requeued after it finished has nothing left.
+            last_step = progress.step == plan.total_steps
+            if checkpointer.is_due(progress.step, now=stop_signal or last_step):
+                for buffer in model.buffers():  # each replica's statistics: replica 0's saved
+                    dist.broadcast(buffer, group=dp_group, group_src=0)
+                done = (step_in_epoch + 1) * plan.global_batch_size
+                where = {"epoch": epoch, "samples_into_epoch": done}
+                # collective; it refuses weights or a loss that are not finite
+                checkpointer.save(progress.step, where, model, optimizer, plan.peak_lr, window_loss)
+            if stop_signal and not last_step:  # at the last step it just finishes
+                raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
+
+        # ---- evaluate: each replica scores a slice of the test set; sums all-reduced ----
+        if not args.no_eval:
+            test_loss, test_accuracy = evaluate(model, schedule, stages, test_batches, mesh)
+            progress.record_test(test_loss, test_accuracy)  # the epoch's line, and a row
+    progress.close()  # the bar's last state stays on the screen
+
+    # ---- save: replica 0's stages send their weights to rank 0, which writes them ----
+    if args.save:
+        whole = gather_state_dict(model, mesh)  # collective: replica 0's stages, on rank 0
+        write = lambda: checkpoints.save_state_dict(whole, args.save)  # noqa: E731
+        # collective: whatever rank 0's write raises, every rank raises
+        failures.on_rank_0(write, "writing --save")
+        log(f"saved the weights to {args.save}")
+    if args.metrics:  # collective: rank 0 gathers every rank's memory and writes the file
+        run = {"strategy": "pipeline", "schedule": args.schedule, "stages": num_stages}
+        run |= {"microbatches": args.microbatches, "data_parallel": args.data_parallel}
+        run |= {"test_loss": test_loss, "test_accuracy": test_accuracy}
+        blocks = [stage_blocks[i] for i in stage_indices]
+        run["rank_info"] = {"stages": stage_indices, "blocks": blocks}
+        watch.write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run)
+
+
+def evaluate(model, schedule, stages, test_batches, mesh):
+    """Collective: the test loss and accuracy over every replica's slice, forward only."""
+    for buffer in model.buffers():  # BatchNorm's statistics: replica 0's, which it saves
+        dist.broadcast(buffer, group=mesh.get_group("dp"), group_src=0)
+    model.eval()
+    has_first = any(stage.is_first for stage in stages)
+    has_last = any(stage.is_last for stage in stages)
+
+    def pipeline_forward(images, labels):  # through every stage: logits on the last one
+        logits = schedule.eval(
+            *([images] if has_first else []), target=labels if has_last else None
+        )
+        return logits if has_last else None
+
+    # Loss sum, correct, count on this replica: zeros where no last stage.
+    dp_rank, replicas = mesh.get_local_rank("dp"), mesh["dp"].size()
+    totals = training.evaluate(pipeline_forward, test_batches, dp_rank, replicas, pipeline=True)
+    dist.all_reduce(totals)
+    return (totals[:2] / totals[2]).tolist()
+
+
+def add_arguments(parser):  # the pipeline's flags
     add, positive = parser.add_argument, training.number(int, 1)
     add("--schedule", choices=tuple(SCHEDULES), default="1f1b")
     add("--microbatches", type=positive, default=8, help="microbatches per --batch-size")
@@ -75,209 +242,52 @@ def main():
         default=1,
         help="D pipeline replicas; world size = D x pipeline ranks",
     )
-    args = parser.parse_args()
 
-    # ---- setup: one process per device, all of them in one process group ----
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks its device
-    device = training.pick_device(args.device, local_rank)  # one line if too few GPUs
-    # Find (or download) the data first: no collective's timeout runs during a download.
-    found = data.find(args.dataset, args.data_dir, download=not args.no_download)
-    backend = dist.get_default_backend_for_device(device)  # NCCL on NVIDIA GPUs, gloo on CPUs
-    dist.init_process_group(backend, **failures.process_group_options(device))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    dtype, autocast = training.dtype_of(args), training.autocast(args, device)
-    progress = schedule = stages = mesh = None
-    try:
-        check_flags(args, world_size)
-        # The mesh: world_size / D pipeline ranks (rows) of D replicas (columns). Pipeline outside,
-        # as in torchtitan: a stage's replicas are neighbours, on one node, where the data-parallel
-        # all-reduce runs; only activations, between neighbouring stages, cross nodes.
-        pipeline_ranks = world_size // args.data_parallel
-        shape = (pipeline_ranks, args.data_parallel)
-        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp"))
-        dp_rank = mesh.get_local_rank("dp")
-        pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-        num_stages = pipeline_ranks * stages_per_rank(args)
-        # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
-        # collective: every rank sees what each found, so all train on the same data
-        dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
-        # Every stage of replica d walks the same shard d. drop_last: else the sampler pads the
-        # shards by repeating samples, counted twice.
-        sampler = DistributedSampler(
-            train_set, args.data_parallel, dp_rank, shuffle=True, seed=args.seed, drop_last=True
-        )
-        plan = training.Plan(args, len(sampler), args.data_parallel, dataset_name, "replicas")
-        # Outputs checked now, not after training: rank 0 tries a write where each one goes.
-        checkpointer = checkpoints.Checkpointer(args, dataset_name, plan.global_batch_size, device)
-        checkpointer.check_outputs()  # collective
-        seed = hash((args.seed, dp_rank))  # this replica's DataLoader workers' random streams
-        train_batches = training.Batches(
-            train_set, args.batch_size, device, dtype, args.workers, seed
-        )
-        test_batches = training.Batches(test_set, args.batch_size, device, dtype, args.workers)
 
-        # ---- model: whole on every rank, from the seed: train_ddp.py's weights, for any model ----
-        # Then each rank keeps only its stages' blocks. (A model too big for one device is built
-        # on the meta device instead, and each rank initialises its blocks: docs/pipeline.md.)
-        torch.manual_seed(args.seed)
-        channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W)
-        model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
-        if args.init_from:  # rank 0 reads the file and broadcasts each weight
-            checkpoints.init_from(model, args.init_from, log)  # collective
-        param_count = sum(p.numel() for p in model.parameters())
-        flops = watch.flops_per_sample(model, next(test_batches([0]))[0])  # forward + backward
+def make_mesh(args, device, world_size):
+    """world_size / D pipeline ranks (rows) of D replicas (columns).
 
-        # ---- wrap: a PipelineStage per local stage, one schedule for all ----
-        sample = next(test_batches([0]))[0][:1]  # one input, as the first stage gets it
-        stages, stage_blocks = build_stages(model, args, sample, mesh, autocast)
+    Pipeline outside, as in torchtitan: a stage's replicas are neighbours, on one node, where
+    the data-parallel all-reduce runs; only activations, between neighbouring stages, cross nodes.
+    """
+    shape = (world_size // args.data_parallel, args.data_parallel)
+    return init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp"))
 
-        def loss_fn(logits, labels):  # on the last stage, per microbatch, in the weights' dtype
-            # Divided by the microbatches and the micro-steps: the summed gradients are then
-            # the mean over the whole step, as in train_ddp.py.
-            return F.cross_entropy(logits.to(dtype), labels) / (args.microbatches * args.grad_accum)
 
-        # scale_grads=False: we scale the loss instead. The schedule's own scaling divides .grad
-        # by the microbatches at every step(), which would shrink earlier micro-steps' again.
-        schedule_class, stages_kind = SCHEDULES[args.schedule]
-        schedule = schedule_class(
-            stages[0] if stages_kind == "one" else stages,
-            n_microbatches=args.microbatches,
-            loss_fn=loss_fn,
-            scale_grads=False,
-        )
-        stage_indices = [stage.stage_index for stage in stages]
-        has_first_stage, has_last_stage = 0 in stage_indices, num_stages - 1 in stage_indices
-        optimizer = training.make_optimizer(args, model.parameters())
+def make_schedule(stages, args, dtype):
+    """One schedule for this rank's stages; the last stage computes the loss."""
 
-        # ---- resume: every rank loads its part of the newest checkpoint, if any ----
-        resumed = checkpointer.resume(model, optimizer, plan.peak_lr, log)  # collective
-        what = f"pipeline ({args.schedule}, {num_stages} stages: blocks {stage_blocks}, "
-        what += f"{args.microbatches} microbatches) x {args.data_parallel} replica(s)"
-        what += f" on {world_size} rank(s)"
-        figures = watch.describe(args, plan, param_count, flops, dataset_name, "replica")
-        log(f"{what} ({backend}, {device.type}): {figures}")
+    def loss_fn(logits, labels):  # on the last stage, per microbatch, in the weights' dtype
+        # Divided by the microbatches and the micro-steps: the summed gradients are then the
+        # mean over the whole step, as in train_ddp.py.
+        return F.cross_entropy(logits.to(dtype), labels) / (args.microbatches * args.grad_accum)
 
-        # ---- train loop ----
-        progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
-        profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
-        window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device
-        stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
-        test_loss = test_accuracy = None  # stay None with --no-eval
-        skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
-        for epoch in range(resumed["epoch"], plan.epochs):
-            sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-            model.train()
-            progress.start_epoch(epoch)
-            first, skip = skip, 0
-            last = min(plan.steps_per_epoch, first + plan.total_steps - progress.step)
-            batches = train_batches(list(sampler)[first * plan.samples_per_step :])
-            for step_in_epoch in range(first, last):
-                optimizer.zero_grad(set_to_none=True)
-                for micro_step in range(args.grad_accum):
-                    images, labels = next(batches)
-                    # Only the first stage reads inputs, only the last one sees targets and losses.
-                    losses = [] if has_last_stage else None
-                    # Sends and receives activations and gradients between neighbouring stages.
-                    inputs = [images] if has_first_stage else []
-                    target = labels if has_last_stage else None
-                    schedule.step(*inputs, target=target, losses=losses)
-                    if has_last_stage:  # the micro-step's mean (loss_fn divided it)
-                        window_loss += torch.stack(losses).detach().sum() * args.grad_accum
-                    window_count += 1
-                grads = [p.grad for p in model.parameters() if p.grad is not None]  # its stages'
-                if (
-                    args.data_parallel > 1
-                ):  # the mean with the stage's other replicas: one all-reduce
-                    flat = torch.cat([g.flatten() for g in grads])
-                    dist.all_reduce(flat, group=dp_group)
-                    parts = flat.split([g.numel() for g in grads])
-                    means = [part.view_as(g) / args.data_parallel for g, part in zip(grads, parts)]
-                    torch._foreach_copy_(grads, means)
-                if args.max_grad_norm:  # the whole model's norm: every stage's gradients
-                    squares = torch.nn.utils.get_total_norm(grads) ** 2  # this rank's stages
-                    dist.all_reduce(squares, group=pp_group)  # summed over the pipeline ranks
-                    norm = squares.sqrt()
-                    torch.nn.utils.clip_grads_with_norm_(
-                        model.parameters(), args.max_grad_norm, norm
-                    )
-                lr = plan.lr(progress.step)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                optimizer.step()
-                progress.count_step()
-                log_now = progress.is_logging_step(end_of_epoch=step_in_epoch == last - 1)
-                # collective at logging steps and about once a second: the ranks agree on a stop
-                stop_signal = stop.agree_now(progress.step, log_now, device)
-                if log_now or stop_signal:  # only last stages hold a loss: the all-reduce brings it
-                    dist.all_reduce(window_loss)
-                    mean_loss = window_loss.item() / (window_count * args.data_parallel)
-                    checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
-                    grad_norm = norm.item() if args.max_grad_norm else None  # before clipping
-                    progress.record_loss(mean_loss, "loss (last stage)", lr, grad_norm)
-                    window_loss.zero_()
-                    window_count = 0
-                profiler.after_step(progress.step)  # --profile-steps: starts or stops here
-                # Also at the last step: a job requeued after it finished has nothing left.
-                last_step = progress.step == plan.total_steps
-                if checkpointer.is_due(progress.step, now=stop_signal or last_step):
-                    for buffer in model.buffers():  # each replica's statistics: replica 0's saved
-                        dist.broadcast(buffer, group=dp_group, group_src=0)
-                    done = (step_in_epoch + 1) * plan.global_batch_size
-                    position = {"epoch": epoch, "samples_into_epoch": done}
-                    # collective; it refuses weights or a loss that are not finite
-                    checkpointer.save(
-                        progress.step, position, model, optimizer, plan.peak_lr, window_loss
-                    )
-                if stop_signal and not last_step:  # at the last step it just finishes
-                    raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
+    # scale_grads=False: we scale the loss instead. The schedule's own scaling divides .grad
+    # by the microbatches at every step(), which would shrink earlier micro-steps' again.
+    schedule_class, stages_kind = SCHEDULES[args.schedule]
+    return schedule_class(
+        stages[0] if stages_kind == "one" else stages,
+        n_microbatches=args.microbatches,
+        loss_fn=loss_fn,
+        scale_grads=False,
+    )
 
-            # ---- evaluate: each replica scores a slice of the test set; sums all-reduced ----
-            if args.no_eval:
-                continue
-            for buffer in model.buffers():  # BatchNorm's statistics: replica 0's, which it saves
-                dist.broadcast(buffer, group=dp_group, group_src=0)
-            model.eval()
 
-            def pipeline_forward(images, labels):  # forward only, every stage: logits on the last
-                inputs = [images] if has_first_stage else []
-                logits = schedule.eval(*inputs, target=labels if has_last_stage else None)
-                return logits if has_last_stage else None
+def average_over_replicas(grads, dp_group):
+    """Collective: each gradient becomes its mean over the stage's replicas, in one all-reduce."""
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, group=dp_group)
+    replicas = dist.get_world_size(dp_group)
+    parts = flat.split([g.numel() for g in grads])
+    torch._foreach_copy_(grads, [part.view_as(g) / replicas for g, part in zip(grads, parts)])
 
-            # Loss sum, correct, count on this replica: zeros where no last stage.
-            totals = training.evaluate(
-                pipeline_forward, test_batches, dp_rank, args.data_parallel, pipeline=True
-            )
-            dist.all_reduce(totals)
-            test_loss, test_accuracy = (totals[:2] / totals[2]).tolist()
-            progress.record_test(test_loss, test_accuracy)  # the epoch's line, and a row
-        progress.close()  # the bar's last state stays on the screen
 
-        # ---- save: replica 0's stages send their weights to rank 0, which writes them ----
-        if args.save:
-            mine = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-            gathered = [None] * world_size if rank == 0 else None
-            dist.gather_object(mine if dp_rank == 0 else {}, gathered, dst=0)
-            whole = {name: t for part in gathered or [] for name, t in part.items()}
-            write = lambda: checkpoints.save_state_dict(whole, args.save)  # noqa: E731
-            # collective: whatever rank 0's write raises, every rank raises
-            failures.on_rank_0(write, "writing --save")
-            log(f"saved the weights to {args.save}")
-        if args.metrics:
-            run = {"strategy": "pipeline", "global_batch_size": plan.global_batch_size}
-            run |= {"schedule": args.schedule, "microbatches": args.microbatches}
-            run |= {"stages": num_stages, "data_parallel": args.data_parallel}
-            run |= {"test_loss": test_loss, "test_accuracy": test_accuracy}
-            run |= {"param_count": param_count, "dataset": dataset_name, "peak_lr": plan.peak_lr}
-            blocks = [stage_blocks[i] for i in stage_indices]
-            memory = {"stages": stage_indices, "blocks": blocks}
-            memory |= watch.memory(model, optimizer, device)
-            # collective: rank 0 gathers every rank's memory and writes the file
-            watch.write_metrics(args.metrics, run, memory, progress, flops, args, device)
-    finally:
-        if progress:  # the CSV and TensorBoard's events are closed however the run ends
-            progress.close()
-        schedule = stages = mesh = None  # they hold the groups: let go, then end gloo's threads
-        dist.destroy_process_group()
+def gather_state_dict(model, mesh):
+    """Collective: every stage's weights of replica 0, in one state dict on rank 0 ({} else)."""
+    mine = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine if mesh.get_local_rank("dp") == 0 else {}, gathered, dst=0)
+    return {name: tensor for part in gathered or [] for name, tensor in part.items()}
 
 
 def stages_per_rank(args):  # default: 1 for gpipe and 1f1b, 2 for the others

@@ -38,13 +38,7 @@ from plumbing.watch import log
 
 
 def main():
-    parser = training.parser(__doc__.splitlines()[0], data.add_arguments)
-    parser.add_argument(
-        "--tp",
-        type=training.number(int, 1),
-        default=2,
-        help="ranks that split each layer; world size = dp groups x --tp",
-    )
+    parser = training.parser(__doc__.splitlines()[0], data.add_arguments, add_arguments)
     args = parser.parse_args()
 
     # ---- setup: one process per device, all of them in one process group ----
@@ -56,161 +50,155 @@ def main():
     dist.init_process_group(backend, **failures.process_group_options(device))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dtype = training.dtype_of(args)  # bf16 comes from MixedPrecisionPolicy below
-    progress = mesh = None
-    try:
-        check_flags(args, world_size)
-        # The mesh: world_size / tp data-parallel groups (rows) of tp ranks (columns). TP inside, as
-        # in torchtitan: a group's ranks are neighbours, on one node, where each layer all-reduces.
-        dp = world_size // args.tp
-        mesh = init_device_mesh(device.type, (dp, args.tp), mesh_dim_names=("dp", "tp"))
-        dp_rank = mesh.get_local_rank("dp")
-        # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
-        # collective: every rank sees what each found, so all train on the same data
-        dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
-        # One share per tp group: its ranks see the same batch. drop_last: else the sampler pads
-        # the shards by repeating samples, counted twice.
-        sampler = DistributedSampler(
-            train_set, dp, dp_rank, shuffle=True, seed=args.seed, drop_last=True
-        )
-        plan = training.Plan(args, len(sampler), dp, dataset_name, "tp groups")
-        # Outputs checked now, not after training: rank 0 tries a write where each one goes.
-        checkpointer = checkpoints.Checkpointer(args, dataset_name, plan.global_batch_size, device)
-        checkpointer.check_outputs()  # collective
-        seed = hash((args.seed, dp_rank))  # this group's DataLoader workers' random streams
-        train_batches = training.Batches(
-            train_set, args.batch_size, device, dtype, args.workers, seed
-        )
-        test_batches = training.Batches(test_set, 512, device, dtype, args.workers)
+    check_flags(args, world_size)
+    mesh = make_mesh(args, device, world_size)  # data-parallel groups x tp ranks
+    dp, dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")
+    # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
+    # collective: every rank sees what each found, so all train on the same data
+    dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
+    # One share per tp group: its ranks see the same batch. drop_last: else the sampler pads
+    # the shards by repeating samples, counted twice.
+    sampler = DistributedSampler(
+        train_set, dp, dp_rank, shuffle=True, seed=args.seed, drop_last=True
+    )
+    plan = training.Plan(args, len(sampler), dp, dataset_name, "tp groups")
+    checkpointer = checkpoints.Checkpointer(args, dataset_name, plan.global_batch_size, device)
+    checkpointer.check_outputs()  # collective: rank 0 tries a write where each output goes
+    seed = hash((args.seed, dp_rank))  # this group's DataLoader workers' random streams
+    train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
+    test_batches = training.Batches(test_set, 512, device, dtype, args.workers)
 
-        # ---- model: whole on every rank, from the seed: train_ddp.py's weights, for any model ----
-        # tensor_parallel and fully_shard keep only this rank's part of each. (A model too big
-        # for one device is built on the meta device instead: docs/fsdp.md says when and how.)
-        torch.manual_seed(args.seed)
-        channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W)
-        model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
-        if args.init_from:  # rank 0 reads the file and broadcasts each weight
-            checkpoints.init_from(model, args.init_from, log)  # collective
-        param_count = sum(p.numel() for p in model.parameters())
-        flops = watch.flops_per_sample(model, next(test_batches([0]))[0])  # forward + backward
+    # ---- model: whole on every rank, from the seed: train_ddp.py's weights, for any model ----
+    # tensor_parallel and fully_shard keep only this rank's part of each. (A model too big
+    # for one device is built on the meta device instead: docs/fsdp.md says when and how.)
+    torch.manual_seed(args.seed)
+    channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W)
+    model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
+    if args.init_from:  # rank 0 reads the file and broadcasts each weight
+        checkpoints.init_from(model, args.init_from, log)  # collective
+    param_count = sum(p.numel() for p in model.parameters())
+    flops = watch.flops_per_sample(model, next(test_batches([0]))[0])  # forward + backward
 
-        # ---- wrap: split each pair of layers across the tp ranks, then shard them over dp ----
-        parallelize(model, args, mesh)
-        # The optimizer after the split: before, it would hold the whole tensors it replaced.
-        optimizer = training.make_optimizer(args, model.parameters())
+    # ---- wrap: split each pair of layers across the tp ranks, then shard them over dp ----
+    parallelize(model, args, mesh)
+    # The optimizer after the split: before, it would hold the whole tensors it replaced.
+    optimizer = training.make_optimizer(args, model.parameters())
 
-        # ---- resume: every rank loads its part of the newest checkpoint, if any ----
-        resumed = checkpointer.resume(model, optimizer, plan.peak_lr, log)  # collective
-        mesh_shape = tuple(mesh.shape)
-        what = f"TP {args.tp} x FSDP {dp} (mesh (dp, tp) {mesh_shape}) on {world_size} rank(s)"
-        figures = watch.describe(args, plan, param_count, flops, dataset_name, "tp group")
-        log(f"{what} ({backend}, {device.type}): {figures}")
+    # ---- resume: every rank loads its part of the newest checkpoint, if any ----
+    resumed = checkpointer.resume(model, optimizer, plan.peak_lr, log)  # collective
+    mesh_shape = tuple(mesh.shape)
+    what = f"TP {args.tp} x FSDP {dp} (mesh (dp, tp) {mesh_shape}) on {world_size} rank(s)"
+    figures = watch.describe(args, plan, param_count, flops, "tp group")
+    log(f"{what} ({backend}, {device.type}): {figures}")
 
-        # ---- train loop ----
-        progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
-        profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
-        window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device
-        stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
-        test_loss = test_accuracy = None  # stay None with --no-eval
-        skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
-        for epoch in range(resumed["epoch"], plan.epochs):
-            sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-            model.train()
-            progress.start_epoch(epoch)
-            first, skip = skip, 0
-            last = min(plan.steps_per_epoch, first + plan.total_steps - progress.step)
-            batches = train_batches(list(sampler)[first * plan.samples_per_step :])
-            for step_in_epoch in range(first, last):
-                optimizer.zero_grad(set_to_none=True)
-                for micro_step in range(args.grad_accum):
-                    images, labels = next(batches)
-                    # Keep unsharded gradients local; the last micro-step reduce-scatters their sum
-                    last_micro_step = micro_step == args.grad_accum - 1
-                    model.set_requires_gradient_sync(last_micro_step)
-                    loss = F.cross_entropy(model(images), labels)
-                    (loss / args.grad_accum).backward()  # the mean over micro-steps
-                    window_loss += loss.detach()
-                    window_count += 1
-                if args.max_grad_norm:
-                    grads = [p.grad for p in model.parameters() if p.grad is not None]
-                    norm = torch.nn.utils.get_total_norm(grads)  # of the shards: "Partial"
-                    norm = norm.full_tensor()  # collective: all-reduces into the global norm
-                    torch.nn.utils.clip_grads_with_norm_(
-                        model.parameters(), args.max_grad_norm, norm
-                    )
-                lr = plan.lr(progress.step)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                optimizer.step()
-                progress.count_step()
-                log_now = progress.is_logging_step(end_of_epoch=step_in_epoch == last - 1)
-                # collective at logging steps and about once a second: the ranks agree on a stop
-                stop_signal = stop.agree_now(progress.step, log_now, device)
-                if log_now or stop_signal:  # one all-reduce per window: the mean over all ranks
-                    # (a tp group's ranks hold the same loss, so the mean is the groups')
-                    dist.all_reduce(window_loss)
-                    mean_loss = window_loss.item() / (window_count * world_size)
-                    checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
-                    grad_norm = norm.item() if args.max_grad_norm else None  # before clipping
-                    progress.record_loss(mean_loss, "loss (all ranks)", lr, grad_norm)
-                    window_loss.zero_()
-                    window_count = 0
-                profiler.after_step(progress.step)  # --profile-steps: starts or stops here
-                # Also at the last step: a job requeued after it finished has nothing left.
-                last_step = progress.step == plan.total_steps
-                if checkpointer.is_due(progress.step, now=stop_signal or last_step):
-                    for buffer in model.buffers():  # each rank's statistics: rank 0's are saved
-                        dist.broadcast(buffer, src=0)
-                    done = (step_in_epoch + 1) * plan.global_batch_size
-                    position = {"epoch": epoch, "samples_into_epoch": done}
-                    # collective; it refuses weights or a loss that are not finite
-                    checkpointer.save(
-                        progress.step, position, model, optimizer, plan.peak_lr, window_loss
-                    )
-                if stop_signal and not last_step:  # at the last step it just finishes
-                    raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
+    # ---- train loop ----
+    progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
+    profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
+    window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device
+    stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
+    test_loss = test_accuracy = None  # stay None with --no-eval
+    skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
+    for epoch in range(resumed["epoch"], plan.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        model.train()
+        progress.start_epoch(epoch)
+        first, skip = skip, 0
+        last = min(plan.steps_per_epoch, first + plan.total_steps - progress.step)
+        batches = train_batches(list(sampler)[first * plan.samples_per_step :])
+        for step_in_epoch in range(first, last):
+            optimizer.zero_grad(set_to_none=True)
+            for micro_step in range(args.grad_accum):
+                images, labels = next(batches)
+                # Keep unsharded gradients local; the last micro-step reduce-scatters their sum
+                last_micro_step = micro_step == args.grad_accum - 1
+                model.set_requires_gradient_sync(last_micro_step)
+                loss = F.cross_entropy(model(images), labels)
+                (loss / args.grad_accum).backward()  # the mean over micro-steps
+                window_loss += loss.detach()
+                window_count += 1
+            if args.max_grad_norm:
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                norm = torch.nn.utils.get_total_norm(grads)  # of the shards: "Partial"
+                norm = norm.full_tensor()  # collective: all-reduces into the global norm
+                torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.max_grad_norm, norm)
+            lr = plan.lr(progress.step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.step()
+            progress.count_step()
+            log_now = progress.is_logging_step(end_of_epoch=step_in_epoch == last - 1)
+            # collective at logging steps and about once a second: the ranks agree on a stop
+            stop_signal = stop.agree_now(progress.step, log_now, device)
+            if log_now or stop_signal:  # one all-reduce per window: the mean over all ranks
+                # (a tp group's ranks hold the same loss, so the mean is the groups')
+                dist.all_reduce(window_loss)
+                mean_loss = window_loss.item() / (window_count * world_size)
+                checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
+                grad_norm = norm.item() if args.max_grad_norm else None  # before clipping
+                progress.record_loss(mean_loss, "loss (all ranks)", lr, grad_norm)
+                window_loss.zero_()
+                window_count = 0
+            profiler.after_step(progress.step)  # --profile-steps: starts or stops here
+            # Also at the last step: a job requeued after it finished has nothing left.
+            last_step = progress.step == plan.total_steps
+            if checkpointer.is_due(progress.step, now=stop_signal or last_step):
+                for buffer in model.buffers():  # each rank's statistics: rank 0's are saved
+                    dist.broadcast(buffer, src=0)
+                done = (step_in_epoch + 1) * plan.global_batch_size
+                where = {"epoch": epoch, "samples_into_epoch": done}
+                # collective; it refuses weights or a loss that are not finite
+                checkpointer.save(progress.step, where, model, optimizer, plan.peak_lr, window_loss)
+            if stop_signal and not last_step:  # at the last step it just finishes
+                raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
 
-            # ---- evaluate: each tp group scores a slice of the test set; sums all-reduced ----
-            if args.no_eval:
-                continue
-            for buffer in model.buffers():  # BatchNorm's statistics: rank 0's, which it saves
-                dist.broadcast(buffer, src=0)
-            model.eval()
-            # Loss sum, correct, count on this group; each forward all-reduces in the tp group.
-            totals = training.evaluate(model, test_batches, dp_rank, dp)
-            dist.all_reduce(totals, group=mesh.get_group("dp"))
-            test_loss, test_accuracy = (totals[:2] / totals[2]).tolist()
-            for module in model.modules():  # no backward follows to free what these gathered
-                if isinstance(module, FSDPModule):  # (the last block; every block with grad-op)
-                    module.reshard()
+        # ---- evaluate: each tp group scores a slice of the test set; sums all-reduced ----
+        if not args.no_eval:
+            test_loss, test_accuracy = evaluate(model, test_batches, mesh)
             progress.record_test(test_loss, test_accuracy)  # the epoch's line, and a row
-        progress.close()  # the bar's last state stays on the screen
+    progress.close()  # the bar's last state stays on the screen
 
-        # ---- save: every rank sends its shards; rank 0 gets the full state dict and writes ----
-        if args.save:
-            # torch 2.14 warns on every rank that it gathers a (dp, tp)-split tensor in two
-            # all-gathers, not one: the same tensor, a little slower. Said once here instead.
-            logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            full_state = get_model_state_dict(model, options=options)  # collective
-            write = lambda: checkpoints.save_state_dict(full_state, args.save)  # noqa: E731
-            # collective: whatever rank 0's write raises, every rank raises
-            failures.on_rank_0(write, "writing --save")
-            log(f"saved the weights to {args.save}")
-        if args.metrics:
-            run = {"strategy": "tp", "global_batch_size": plan.global_batch_size}
-            run |= {"tp": args.tp, "mesh": list(mesh.shape)}
-            run |= {"test_loss": test_loss, "test_accuracy": test_accuracy}
-            run |= {"param_count": param_count, "dataset": dataset_name, "peak_lr": plan.peak_lr}
-            memory = watch.memory(model, optimizer, device)
-            # collective: rank 0 gathers every rank's memory and writes the file
-            watch.write_metrics(args.metrics, run, memory, progress, flops, args, device)
-    finally:
-        if progress:  # the CSV and TensorBoard's events are closed however the run ends
-            progress.close()
-        # torch 2.14's DTensor caches keep the mesh, and the mesh its group: let go of it
-        # (private; 2.9 has none), or gloo's threads live into shutdown, where they may abort.
-        getattr(mesh, "_pg_registry", {}).clear()
-        dist.destroy_process_group()
+    # ---- save: every rank sends its shards; rank 0 gets the full state dict and writes ----
+    if args.save:
+        full_state = gather_full_state_dict(model)  # collective: in rank 0's CPU memory
+        write = lambda: checkpoints.save_state_dict(full_state, args.save)  # noqa: E731
+        # collective: whatever rank 0's write raises, every rank raises
+        failures.on_rank_0(write, "writing --save")
+        log(f"saved the weights to {args.save}")
+    if args.metrics:  # collective: rank 0 gathers every rank's memory and writes the file
+        run = {"strategy": "tp", "tp": args.tp, "mesh": list(mesh.shape)}
+        run |= {"test_loss": test_loss, "test_accuracy": test_accuracy}
+        watch.write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run)
+    # torch 2.14's DTensor caches keep the mesh, and the mesh its group: let go of it
+    # (private; 2.9 has none), or gloo's threads live into shutdown, where they may abort.
+    getattr(mesh, "_pg_registry", {}).clear()
+
+
+def add_arguments(parser):  # TP's flag
+    parser.add_argument(
+        "--tp",
+        type=training.number(int, 1),
+        default=2,
+        help="ranks that split each layer; world size = dp groups x --tp",
+    )
+
+
+def gather_full_state_dict(model):
+    """Collective: every rank sends its shards; rank 0 gets the whole state dict, in CPU memory."""
+    # torch 2.14 warns on every rank that it gathers a (dp, tp)-split tensor in two all-gathers,
+    # not one: the same tensor, a little slower. Said once here instead.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def make_mesh(args, device, world_size):
+    """world_size / tp data-parallel groups (rows) of tp ranks (columns).
+
+    TP inside, as in torchtitan: a group's ranks are neighbours, on one node, where each
+    layer all-reduces.
+    """
+    shape = (world_size // args.tp, args.tp)
+    return init_device_mesh(device.type, shape, mesh_dim_names=("dp", "tp"))
 
 
 def check_flags(args, world_size):
@@ -315,6 +303,21 @@ class AllReduceBackward(torch.autograd.Function):
         grad = grad.contiguous()  # all_reduce works in place
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
+
+
+def evaluate(model, test_batches, mesh):
+    """Collective: the test loss and accuracy over every tp group's slice."""
+    for buffer in model.buffers():  # BatchNorm's statistics: rank 0's, which it saves
+        dist.broadcast(buffer, src=0)
+    model.eval()
+    # Loss sum, correct, count on this group; each forward all-reduces in the tp group.
+    dp_rank, dp = mesh.get_local_rank("dp"), mesh["dp"].size()
+    totals = training.evaluate(model, test_batches, dp_rank, dp)
+    dist.all_reduce(totals, group=mesh.get_group("dp"))
+    for module in model.modules():  # no backward follows to free what these gathered
+        if isinstance(module, FSDPModule):  # (the last block)
+            module.reshard()
+    return (totals[:2] / totals[2]).tolist()
 
 
 if __name__ == "__main__":

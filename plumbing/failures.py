@@ -55,40 +55,40 @@ def say(line, rank=None):
 
 
 def run(main, *also):
-    """Run ``main()`` as a worker: each way it can fail ends in one line and its exit code.
+    """Run ``main()`` as a worker, then end the process group: each ending is one line.
 
     UsageError (or an ``also``: the data's) exits 2; a ``transient`` failure 75, which
     torchrun's restarts retry; a crash 1, its traceback in torchrun's error file.
     """
     die_with_torchrun()
+    ending = None  # (line, exit code, the rank that says it, whether torchrun's file notes it)
     try:
         main()
     except (UsageError, *also) as error:
-        node = isinstance(error, NodeError)
-        _end(f"error: {error}", 2, int(os.environ.get("LOCAL_RANK", "0")) if node else None)
-    except Stopped as stop:
-        say(stop.args[0])
-        sys.exit(stop.args[1])
+        node = int(os.environ.get("LOCAL_RANK", "0")) if isinstance(error, NodeError) else None
+        ending = (f"error: {error}", 2, node, True)
+    except Stopped as stop:  # not a failure: no note
+        ending = (*stop.args, None, False)
     except KeyboardInterrupt:  # before the training loop's StopSignals
-        _end("stopped by SIGINT during start-up", 130)
+        ending = ("stopped by SIGINT during start-up", 130, None, True)
     except Exception as error:
         under_torchrun = bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
         if line := transient(error):  # each failed rank's own line: the launcher prints the first
             why = "exit code 75: torchrun restarts it while MAX_RESTARTS allows"
-            _end(
-                f"error: {line}; it may pass on a retry ({why})",
-                RETRY_EXIT,
-                -1 if under_torchrun else 0,
-            )
-        if not under_torchrun:
-            raise
-        _end(
-            traceback.format_exc().rstrip(), 1, rank=-1
-        )  # for the launcher, if this rank failed first
-    finally:
-        # FSDP's modules hold their group in reference cycles: collected now, the group and gloo's
-        # threads end here, not at interpreter shutdown, where a collective's tensors would abort.
-        gc.collect()
+            line = f"error: {line}; it may pass on a retry ({why})"
+            ending = (line, RETRY_EXIT, -1 if under_torchrun else 0, True)
+        elif under_torchrun:  # for the launcher, if this rank failed first
+            ending = (traceback.format_exc().rstrip(), 1, -1, True)
+        else:
+            traceback.print_exc()
+            ending = (None, 1, None, False)
+    # main's objects went with its frame (the progress bar closes, DDP lets go of the group);
+    # FSDP's sit in reference cycles: collected now, then the group and gloo's threads end.
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if ending:
+        _end(*ending)
 
 
 def die_with_torchrun():
@@ -128,19 +128,25 @@ def transient(error):
     return None
 
 
-def _end(line, exit_code, rank=None):
-    # Print the line and note it, or neither: torchrun may be stopping this rank meanwhile.
-    for number in STOP_SIGNALS:
+def _end(line, exit_code, rank=None, note=True):
+    """Say ``line`` (None: nothing), note it in torchrun's error file, exit at once.
+
+    os._exit: no interpreter shutdown, where threads a failed run left behind could abort it.
+    """
+    for number in STOP_SIGNALS:  # said and noted, or neither: torchrun may be stopping it
         signal.signal(number, signal.SIG_IGN)
-    said = say(line, rank)
+    said = say(line, rank) if line else False
     here = rank is not None or os.environ.get("GROUP_RANK", "0") == "0"  # its node speaks
-    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's format, and the launcher's
-        note = {"message": line, "timestamp": int(time.time()), "time": time.time()}
-        note |= {"said": said, "here": here, "exit_code": exit_code}
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and note:  # torchrun's format, and what the launcher reads
+        info = {"message": line, "timestamp": int(time.time()), "time": time.time()}
+        info |= {"said": said, "here": here, "exit_code": exit_code}
         with open(path + ".tmp", "w") as file:  # renamed when whole: never half a note
-            json.dump(note, file)
+            json.dump(info, file)
         os.replace(path + ".tmp", path)
-    sys.exit(exit_code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
 
 def process_group_options(device, minutes=10):

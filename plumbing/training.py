@@ -140,6 +140,7 @@ class Plan:
                 "make it smaller"
             )
         self.global_batch_size = self.samples_per_step * replicas
+        self.dataset_name = dataset_name
         whole = self.steps_per_epoch * args.epochs
         self.total_steps = min(args.max_steps or whole, whole)
         self.epochs = -(-self.total_steps // self.steps_per_epoch)

@@ -38,6 +38,7 @@ class Progress:
         self.train_seconds, self.loss_curve, self.final_train_loss = 0.0, [], float("nan")
         self.whose = ""  # whose the logged loss is, as record_loss's label says
         self.grad_norms = []  # [step, the norm before clipping] at each logging step, if clipped
+        self.device = device
         self.synchronize = torch.accelerator.synchronize if device.type != "cpu" else lambda: None
         self.bar = tqdm(
             total=self.total_steps,
@@ -222,7 +223,7 @@ def flops_per_sample(model, inputs):
     return counter.get_total_flops()
 
 
-def describe(args, plan, param_count, flops, dataset_name, unit="rank"):
+def describe(args, plan, param_count, flops, unit="rank"):
     """The start line's figures: the batch per ``unit`` (a data-parallel replica), ..., steps."""
     replicas = plan.global_batch_size // plan.samples_per_step
     top = ""
@@ -232,7 +233,7 @@ def describe(args, plan, param_count, flops, dataset_name, unit="rank"):
         f"batch {args.batch_size} per {unit} x grad-accum {args.grad_accum} x {replicas} "
         f"{unit}s = global batch {plan.global_batch_size}; peak lr {plan.peak_lr:g} after "
         f"{plan.warmup_steps} warmup steps; {top}{param_count:,} parameters; "
-        f"{flops / 1e6:,.1f} MFLOPs a sample; {args.precision}; {dataset_name}; "
+        f"{flops / 1e6:,.1f} MFLOPs a sample; {args.precision}; {plan.dataset_name}; "
         f"{plan.total_steps} steps"
     )
 
@@ -271,12 +272,15 @@ def memory(model, optimizer, device):
     return {"state_bytes": sum(t.nbytes for t in local), "peak_memory_bytes": peak}
 
 
-def write_metrics(path, run, rank_info, progress, flops, args, device):
-    """Collective: every rank sends ``rank_info`` to rank 0, which writes --metrics' JSON."""
-    world_size = dist.get_world_size()
+def write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run):
+    """Collective: rank 0 gathers every rank's memory (and ``rank_info``) and writes --metrics."""
+    world_size, device = dist.get_world_size(), progress.device
+    rank_info = run.pop("rank_info", {}) | memory(model, optimizer, device)
     ranks = [None] * world_size
     dist.all_gather_object(ranks, {"rank": dist.get_rank(), **rank_info})
     if is_rank_0():
+        run |= {"global_batch_size": plan.global_batch_size, "peak_lr": plan.peak_lr}
+        run |= {"param_count": param_count, "dataset": plan.dataset_name}
+        run |= {"precision": args.precision, "world_size": world_size, "ranks": ranks}
         speed = throughput(flops, progress.rate(), world_size, device, args.precision)
-        extra = {"precision": args.precision, "world_size": world_size, "ranks": ranks}
-        save_json({**run, **progress.summary(), **extra, **speed}, path)
+        save_json({**run, **progress.summary(), **speed}, args.metrics)
