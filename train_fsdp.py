@@ -164,10 +164,11 @@ def main():
         # collective: whatever rank 0's write raises, every rank raises
         failures.on_rank_0(write, "writing --save")
         log(f"saved the weights to {args.save}")
-    if args.metrics:  # collective: rank 0 gathers every rank's memory and writes the file
+    if args.metrics:
         run = {"strategy": "fsdp", "sharding": args.sharding, "mesh": list(mesh.shape)}
         run |= {"activation_checkpointing": args.activation_checkpointing}
         run |= {"test_loss": test_loss, "test_accuracy": test_accuracy}
+        # collective: rank 0 gathers every rank's memory and writes the file
         watch.write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run)
     # torch 2.14's DTensor caches keep the mesh, and the mesh its group: let go of it
     # (private; 2.9 has none), or gloo's threads live into shutdown, where they may abort.

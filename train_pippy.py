@@ -196,12 +196,13 @@ def main():
         # collective: whatever rank 0's write raises, every rank raises
         failures.on_rank_0(write, "writing --save")
         log(f"saved the weights to {args.save}")
-    if args.metrics:  # collective: rank 0 gathers every rank's memory and writes the file
+    if args.metrics:
         run = {"strategy": "pipeline", "schedule": args.schedule, "stages": num_stages}
         run |= {"microbatches": args.microbatches, "data_parallel": args.data_parallel}
         run |= {"test_loss": test_loss, "test_accuracy": test_accuracy}
         blocks = [stage_blocks[i] for i in stage_indices]
         run["rank_info"] = {"stages": stage_indices, "blocks": blocks}
+        # collective: rank 0 gathers every rank's memory and writes the file
         watch.write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run)
 
 

@@ -79,16 +79,21 @@ def run(main, *also):
             ending = (line, RETRY_EXIT, -1 if under_torchrun else 0, True)
         elif under_torchrun:  # for the launcher, if this rank failed first
             ending = (traceback.format_exc().rstrip(), 1, -1, True)
-        else:
-            traceback.print_exc()
-            ending = (None, 1, None, False)
+        else:  # plain python: Python's traceback, once main's objects are gone (not its lines)
+            traceback.clear_frames(error.__traceback__)
+            _end_process_group()
+            raise
+    _end_process_group()
+    if ending:
+        _end(*ending)
+
+
+def _end_process_group():
     # main's objects went with its frame (the progress bar closes, DDP lets go of the group);
     # FSDP's sit in reference cycles: collected now, then the group and gloo's threads end.
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
-    if ending:
-        _end(*ending)
 
 
 def die_with_torchrun():
