@@ -267,6 +267,7 @@ def test_a_copied_script_trains_another_model_on_other_data(tmp_path):
     assert "training.parser(__doc__.splitlines()[0])" in (project / "train_ddp.py").read_text()
     for flags in (
         ["--width", "7"],
+        ["--model", "gpt"],
         ["--dataset", "cifar10"],
         ["--data-dir", "mine"],
         ["--no-download"],
