@@ -101,9 +101,8 @@ def main():
                 # no_sync: keep gradients local; the last micro-step all-reduces their sum
                 last_micro_step = micro_step == args.grad_accum - 1
                 with nullcontext() if last_micro_step else no_sync():
-                    with autocast:  # (..., C) logits of (...) targets: images' or tokens'
-                        logits = ddp_model(images)
-                        loss = F.cross_entropy(logits.flatten(0, -2), labels.flatten())
+                    with autocast:  # (..., C) logits of (...) targets: an image's or each token's
+                        loss = F.cross_entropy(ddp_model(images).flatten(0, -2), labels.flatten())
                     (loss / args.grad_accum).backward()  # the mean over micro-steps
                 window_loss += loss.detach()
                 window_count += 1

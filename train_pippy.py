@@ -261,8 +261,8 @@ def make_schedule(stages, args, dtype):
     """One schedule for this rank's stages; the last stage computes the loss."""
 
     def loss_fn(logits, labels):  # on the last stage, per microbatch, in the weights' dtype
-        # (..., C) logits of (...) targets: images' or tokens'. Divided by the microbatches and
-        # the micro-steps: the summed gradients are then the mean over the step, as in DDP.
+        # (..., C) logits of (...) targets: an image's or each token's. Divided by the
+        # microbatches and the micro-steps: the summed gradients are the step's mean, as in DDP.
         loss = F.cross_entropy(logits.to(dtype).flatten(0, -2), labels.flatten())
         return loss / (args.microbatches * args.grad_accum)
 

@@ -113,8 +113,8 @@ def main():
                 # Keep unsharded gradients local; the last micro-step reduce-scatters their sum
                 last_micro_step = micro_step == args.grad_accum - 1
                 model.set_requires_gradient_sync(last_micro_step)
-                logits = model(images)  # (..., C) logits of (...) targets: images' or tokens'
-                loss = F.cross_entropy(logits.flatten(0, -2), labels.flatten())
+                # (..., C) logits of (...) targets: an image's or each token's
+                loss = F.cross_entropy(model(images).flatten(0, -2), labels.flatten())
                 (loss / args.grad_accum).backward()  # the mean over micro-steps
                 window_loss += loss.detach()
                 window_count += 1

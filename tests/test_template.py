@@ -34,7 +34,9 @@ SCRIPTS = ["train_ddp.py", "train_fsdp.py", "train_pippy.py"]
 # `ruff format --line-length 100`: 1,477 lines for a DDP copy once issue 41 cut plumbing/ by concern
 # (1,725 before); issue 41 asks for at most 1,150 (DDP) and 1,300 (the others). Held here so that it
 # does not grow back.
-MAX_FORMATTED = {"train_ddp.py": 1477, "train_fsdp.py": 1584, "train_pippy.py": 1780}
+# Issue 43 added 3 or 4 lines to each: --model's import, the parser's own line, the GPT's text, the
+# dense targets' loss.
+MAX_FORMATTED = {"train_ddp.py": 1480, "train_fsdp.py": 1588, "train_pippy.py": 1784}
 # Collective calls outside the scripts: 7 since issue 42, whose --init-from broadcasts (behind a
 # call marked collective) and whose plumbing/consolidate.py calls dcp.load without a process group
 # (no collective there); 9 since issue 41 put what the four scripts repeated in one place: the
