@@ -243,7 +243,7 @@ def test_a_copied_script_trains_another_model_on_other_data(tmp_path):
     # Cut where the FLOPs balance: the first Linear, then BatchNorm, ReLU and the second Linear
     # (twice its FLOPs)
     assert (
-        "2 stages: blocks [[0], [1, 2, 3]]) x 2 replica(s) on 4 rank(s)"
+        "2 stages: blocks [[0], [1, 2, 3]], 2 microbatches) x 2 replica(s) on 4 rank(s)"
         in runs["train_pippy.py"].output
     )
     succeeded(control)
