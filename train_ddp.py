@@ -27,19 +27,21 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from models import BabyCNN, data
+import models
+from models import data
 from plumbing import checkpoints, failures, training, watch
 from plumbing.watch import log
 
 
 def main():
-    args = training.parser(__doc__.splitlines()[0], data.add_arguments).parse_args()
+    parser = training.parser(__doc__.splitlines()[0], data.add_arguments)
+    args = parser.parse_args()
 
     # ---- setup: one process per device, all of them in one process group ----
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks its device
     device = training.pick_device(args.device, local_rank)  # one line if too few GPUs
     # Find (or download) the data first: no collective's timeout runs during a download.
-    found = data.find(args.dataset, args.data_dir, download=not args.no_download)
+    found = data.find(args.dataset, args.data_dir, download=not args.no_download, model=args.model)
     backend = dist.get_default_backend_for_device(device)  # NCCL on NVIDIA GPUs, gloo on CPUs
     dist.init_process_group(backend, **failures.process_group_options(device))
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -61,8 +63,7 @@ def main():
 
     # ---- model: the same initial weights on every rank, from the seed ----
     torch.manual_seed(args.seed)
-    channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W)
-    model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
+    model = models.build(args, train_set, device, dtype)  # --model's, for the data's shapes
     if args.init_from:  # rank 0 reads the file and broadcasts each weight
         checkpoints.init_from(model, args.init_from, log)  # collective
     param_count = sum(p.numel() for p in model.parameters())
@@ -100,8 +101,8 @@ def main():
                 # no_sync: keep gradients local; the last micro-step all-reduces their sum
                 last_micro_step = micro_step == args.grad_accum - 1
                 with nullcontext() if last_micro_step else no_sync():
-                    with autocast:
-                        loss = F.cross_entropy(ddp_model(images), labels)
+                    with autocast:  # (..., C) logits of (...) targets: an image's or each token's
+                        loss = F.cross_entropy(ddp_model(images).flatten(0, -2), labels.flatten())
                     (loss / args.grad_accum).backward()  # the mean over micro-steps
                 window_loss += loss.detach()
                 window_count += 1
@@ -148,6 +149,8 @@ def main():
         # collective: whatever rank 0's write raises, every rank raises
         failures.on_rank_0(write, "writing --save")
         log(f"saved the weights to {args.save}")
+    if hasattr(train_set, "write") and failures.is_rank_0():  # text: what the model writes
+        log(train_set.write(model.state_dict()))  # rank 0's replica is the whole model
     if args.metrics:
         run = {"strategy": "ddp", "test_loss": test_loss, "test_accuracy": test_accuracy}
         # collective: rank 0 gathers every rank's memory and writes the file

@@ -35,13 +35,15 @@ from torch.distributed.fsdp import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from models import BabyCNN, data
+import models
+from models import data
 from plumbing import checkpoints, failures, training, watch
 from plumbing.watch import log
 
 
 def main():
-    parser = training.parser(__doc__.splitlines()[0], data.add_arguments, add_arguments)
+    parser = training.parser(__doc__.splitlines()[0], data.add_arguments)
+    add_arguments(parser)  # this strategy's flags
     args = parser.parse_args()
 
     # ---- setup: one process per device, all of them in one process group ----
@@ -49,7 +51,7 @@ def main():
     device = training.pick_device(args.device, local_rank)  # one line if too few GPUs
     check_flags(args, device)
     # Find (or download) the data first: no collective's timeout runs during a download.
-    found = data.find(args.dataset, args.data_dir, download=not args.no_download)
+    found = data.find(args.dataset, args.data_dir, download=not args.no_download, model=args.model)
     backend = dist.get_default_backend_for_device(device)  # NCCL on NVIDIA GPUs, gloo on CPUs
     dist.init_process_group(backend, **failures.process_group_options(device))
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -73,8 +75,7 @@ def main():
     # fully_shard below keeps only this rank's shard of each. (A model too big for one
     # device is built on the meta device instead: docs/fsdp.md says when and how.)
     torch.manual_seed(args.seed)
-    channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W)
-    model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
+    model = models.build(args, train_set, device, dtype)  # --model's, for the data's shapes
     if args.init_from:  # rank 0 reads the file and broadcasts each weight
         checkpoints.init_from(model, args.init_from, log)  # collective
     param_count = sum(p.numel() for p in model.parameters())
@@ -113,7 +114,8 @@ def main():
                 # Keep unsharded gradients local; the last micro-step reduce-scatters their sum
                 last_micro_step = micro_step == args.grad_accum - 1
                 model.set_requires_gradient_sync(last_micro_step)
-                loss = F.cross_entropy(model(images), labels)
+                # (..., C) logits of (...) targets: an image's or each token's
+                loss = F.cross_entropy(model(images).flatten(0, -2), labels.flatten())
                 (loss / args.grad_accum).backward()  # the mean over micro-steps
                 window_loss += loss.detach()
                 window_count += 1
@@ -164,6 +166,8 @@ def main():
         # collective: whatever rank 0's write raises, every rank raises
         failures.on_rank_0(write, "writing --save")
         log(f"saved the weights to {args.save}")
+    if hasattr(train_set, "write"):  # text: rank 0 prints what the model writes
+        log(train_set.write(gather_full_state_dict(model)))  # collective: the shards gathered
     if args.metrics:
         run = {"strategy": "fsdp", "sharding": args.sharding, "mesh": list(mesh.shape)}
         run |= {"activation_checkpointing": args.activation_checkpointing}

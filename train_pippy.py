@@ -41,7 +41,8 @@ from torch.distributed.pipelining import (
 from torch.utils.data.distributed import DistributedSampler
 from torch.utils.flop_counter import FlopCounterMode
 
-from models import BabyCNN, data
+import models
+from models import data
 from plumbing import checkpoints, failures, training, watch
 from plumbing.watch import log
 
@@ -59,14 +60,15 @@ if torch.__version__ < (2, 14):  # three workarounds for older releases' stages
 
 
 def main():
-    parser = training.parser(__doc__.splitlines()[0], data.add_arguments, add_arguments)
+    parser = training.parser(__doc__.splitlines()[0], data.add_arguments)
+    add_arguments(parser)  # this strategy's flags
     args = parser.parse_args()
 
     # ---- setup: one process per device, all of them in one process group ----
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks its device
     device = training.pick_device(args.device, local_rank)  # one line if too few GPUs
     # Find (or download) the data first: no collective's timeout runs during a download.
-    found = data.find(args.dataset, args.data_dir, download=not args.no_download)
+    found = data.find(args.dataset, args.data_dir, download=not args.no_download, model=args.model)
     backend = dist.get_default_backend_for_device(device)  # NCCL on NVIDIA GPUs, gloo on CPUs
     dist.init_process_group(backend, **failures.process_group_options(device))
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -74,6 +76,7 @@ def main():
     check_flags(args, world_size)
     mesh = make_mesh(args, device, world_size)  # pipeline ranks x data-parallel replicas
     dp_rank, dp_group = mesh.get_local_rank("dp"), mesh.get_group("dp")
+    pp_group = mesh.get_group("pp")  # the pipeline ranks of this replica
     num_stages = mesh["pp"].size() * stages_per_rank(args)
 
     # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
@@ -95,8 +98,7 @@ def main():
     # Then each rank keeps only its stages' blocks. (A model too big for one device is built
     # on the meta device instead, and each rank initialises its blocks: docs/pipeline.md.)
     torch.manual_seed(args.seed)
-    channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W)
-    model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
+    model = models.build(args, train_set, device, dtype)  # --model's, for the data's shapes
     if args.init_from:  # rank 0 reads the file and broadcasts each weight
         checkpoints.init_from(model, args.init_from, log)  # collective
     param_count = sum(p.numel() for p in model.parameters())
@@ -151,7 +153,7 @@ def main():
                 average_over_replicas(grads, dp_group)
             if args.max_grad_norm:  # the whole model's norm: every stage's gradients
                 squares = torch.nn.utils.get_total_norm(grads) ** 2  # this rank's stages
-                dist.all_reduce(squares, group=mesh.get_group("pp"))  # over the pipeline
+                dist.all_reduce(squares, group=pp_group)  # summed over the pipeline ranks
                 norm = squares.sqrt()
                 torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.max_grad_norm, norm)
             lr = plan.lr(progress.step)
@@ -196,6 +198,8 @@ def main():
         # collective: whatever rank 0's write raises, every rank raises
         failures.on_rank_0(write, "writing --save")
         log(f"saved the weights to {args.save}")
+    if hasattr(train_set, "write"):  # text: rank 0 prints what the model writes
+        log(train_set.write(gather_state_dict(model, mesh)))  # collective: every stage's
     if args.metrics:
         run = {"strategy": "pipeline", "schedule": args.schedule, "stages": num_stages}
         run |= {"microbatches": args.microbatches, "data_parallel": args.data_parallel}
@@ -259,9 +263,10 @@ def make_schedule(stages, args, dtype):
     """One schedule for this rank's stages; the last stage computes the loss."""
 
     def loss_fn(logits, labels):  # on the last stage, per microbatch, in the weights' dtype
-        # Divided by the microbatches and the micro-steps: the summed gradients are then the
-        # mean over the whole step, as in train_ddp.py.
-        return F.cross_entropy(logits.to(dtype), labels) / (args.microbatches * args.grad_accum)
+        # (..., C) logits of (...) targets: an image's or each token's. Divided by the
+        # microbatches and the micro-steps: the summed gradients are the step's mean, as in DDP.
+        loss = F.cross_entropy(logits.to(dtype).flatten(0, -2), labels.flatten())
+        return loss / (args.microbatches * args.grad_accum)
 
     # scale_grads=False: we scale the loss instead. The schedule's own scaling divides .grad
     # by the microbatches at every step(), which would shrink earlier micro-steps' again.

@@ -32,20 +32,22 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 from torch.utils.data.distributed import DistributedSampler
 
-from models import BabyCNN, data
+import models
+from models import data
 from plumbing import checkpoints, failures, training, watch
 from plumbing.watch import log
 
 
 def main():
-    parser = training.parser(__doc__.splitlines()[0], data.add_arguments, add_arguments)
+    parser = training.parser(__doc__.splitlines()[0], data.add_arguments)
+    add_arguments(parser)  # this strategy's flags
     args = parser.parse_args()
 
     # ---- setup: one process per device, all of them in one process group ----
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks its device
     device = training.pick_device(args.device, local_rank)  # one line if too few GPUs
     # Find (or download) the data first: no collective's timeout runs during a download.
-    found = data.find(args.dataset, args.data_dir, download=not args.no_download)
+    found = data.find(args.dataset, args.data_dir, download=not args.no_download, model=args.model)
     backend = dist.get_default_backend_for_device(device)  # NCCL on NVIDIA GPUs, gloo on CPUs
     dist.init_process_group(backend, **failures.process_group_options(device))
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -72,8 +74,7 @@ def main():
     # tensor_parallel and fully_shard keep only this rank's part of each. (A model too big
     # for one device is built on the meta device instead: docs/fsdp.md says when and how.)
     torch.manual_seed(args.seed)
-    channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W)
-    model = BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)
+    model = models.build(args, train_set, device, dtype)  # --model's, for the data's shapes
     if args.init_from:  # rank 0 reads the file and broadcasts each weight
         checkpoints.init_from(model, args.init_from, log)  # collective
     param_count = sum(p.numel() for p in model.parameters())
@@ -112,7 +113,8 @@ def main():
                 # Keep unsharded gradients local; the last micro-step reduce-scatters their sum
                 last_micro_step = micro_step == args.grad_accum - 1
                 model.set_requires_gradient_sync(last_micro_step)
-                loss = F.cross_entropy(model(images), labels)
+                # (..., C) logits of (...) targets: an image's or each token's
+                loss = F.cross_entropy(model(images).flatten(0, -2), labels.flatten())
                 (loss / args.grad_accum).backward()  # the mean over micro-steps
                 window_loss += loss.detach()
                 window_count += 1
@@ -204,6 +206,11 @@ def make_mesh(args, device, world_size):
 
 def check_flags(args, world_size):
     """Refuse TP's flags that cannot work together, before anything is built."""
+    if args.model != "cnn":  # tensor_parallel() names BabyCNN's layers
+        raise failures.UsageError(
+            f"train_tp.py splits BabyCNN's convolutions by hand and has no plan for --model "
+            f"{args.model} yet: train it with train_ddp.py, train_fsdp.py or train_pippy.py"
+        )
     if world_size % args.tp or args.width * 8 % args.tp:
         raise failures.UsageError(
             f"--tp {args.tp} must divide the world size {world_size} and BabyCNN's "

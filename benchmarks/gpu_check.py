@@ -475,7 +475,9 @@ def step_speed(step):
 
 def step_gpt(step):
     """The transformer rung (issue 43) against nanoGPT's validation loss, once a script has it."""
-    check = f"GPT at nanoGPT's size against its {NANOGPT_LOSS}"
+    check = (
+        f"the scripts' GPT (nanoGPT's CPU size), beside nanoGPT's {NANOGPT_LOSS} at its GPU size"
+    )
     helped = step.run("gpt-help", check, [PYTHON, "train_ddp.py", "--help"], always=True)
     if step.failed(helped):
         return

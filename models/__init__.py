@@ -1,6 +1,20 @@
-"""The models and the data the training scripts share: BabyCNN, the GPT and the bundled datasets."""
+"""The models and the data the training scripts share: BabyCNN, the GPT and the bundled datasets.
 
+``build`` makes the model --model names for the data that ``data.load`` returned, in one call: the
+line that a copy of a script with a model of its own replaces.
+"""
+
+from models import data
 from models.babycnn import BabyCNN
 from models.gpt import GPT
 
-__all__ = ["GPT", "BabyCNN"]
+__all__ = ["GPT", "BabyCNN", "build"]
+
+
+def build(args, train_set, device=None, dtype=None):
+    """--model's model, whole, from the current seed: BabyCNN for one sample's (C, H, W), or the
+    GPT (nanoGPT's CPU size) for the text's vocabulary and windows."""
+    if args.model == "gpt":
+        return GPT(train_set.vocab_size, train_set.block_size, device=device, dtype=dtype)
+    channels, size = train_set[0][0].shape[:2]  # of one sample (C, H, W)
+    return BabyCNN(channels, data.NUM_CLASSES, size, args.width, device=device, dtype=dtype)

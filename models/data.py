@@ -7,15 +7,16 @@ per-sample Python or PIL on the hot path), as they would pass a Dataset of your 
 DataLoader. Which indices a rank uses is decided by the training script with
 ``torch.utils.data.DistributedSampler``, so the sharding stays visible there.
 
-Datasets: ``auto`` (the default) is the original MNIST files that ship in models/mnist/, read with
-no network; ``mnist``, ``fashion-mnist`` and ``cifar10`` are a copy in --data-dir (the IDX files as
-they are distributed, gzip-compressed or not, or torchvision's layout), downloaded by torchvision
-when missing; ``synthetic`` is a fast, offline, deterministic 10-class set of digit glyphs drawn
-from a small built-in bitmap font, for tests. ``find`` looks for the files (downloading them where
-allowed) before the process group exists; ``load`` makes every rank agree on them and reads them.
+Datasets: ``auto`` (the default, with --model cnn) is the original MNIST files that ship in
+models/mnist/, read with no network; ``mnist``, ``fashion-mnist`` and ``cifar10`` are a copy in
+--data-dir (the IDX files as they are distributed, gzip-compressed or not, or torchvision's layout),
+downloaded by torchvision when missing; ``synthetic`` is a fast, offline, deterministic 10-class set
+of digit glyphs drawn from a small built-in bitmap font, for tests. ``find`` looks for the files
+(downloading them where allowed) before the process group exists; ``load`` makes every rank agree on
+them and reads them.
 
 ``shakespeare``: the text in models/tinyshakespeare/, for the GPT (models/gpt.py), as windows of
-characters (models/shakespeare.py); not among --dataset's choices until the scripts build the GPT.
+characters (models/shakespeare.py): --dataset's default with --model gpt, the GPT's only data.
 """
 
 import argparse
@@ -56,6 +57,12 @@ def add_arguments(
 ):  # the bundled model's and data's flags: a copy with its own leaves them out
     add = parser.add_argument
     add(
+        "--model",
+        choices=("cnn", "gpt"),
+        default="cnn",
+        help="cnn: BabyCNN on images; gpt: the character-level GPT on Tiny Shakespeare",
+    )
+    add(
         "--width",
         type=_positive_int,
         default=1,
@@ -63,10 +70,10 @@ def add_arguments(
     )
     add(
         "--dataset",
-        choices=("auto", "synthetic", *_TORCHVISION),
-        default="auto",
-        help="auto: the MNIST files in models/mnist/, no network; mnist: a copy in --data-dir; "
-        "synthetic: for tests",
+        choices=("auto", "synthetic", *_TORCHVISION, "shakespeare"),
+        help="auto (the default with --model cnn): the MNIST files in models/mnist/, no network; "
+        "mnist: a copy in --data-dir; synthetic: for tests; shakespeare (the default with --model "
+        "gpt): the text in models/tinyshakespeare/",
     )
     add(
         "--data-dir",
@@ -81,11 +88,18 @@ def add_arguments(
     )
 
 
-def find(name, data_dir, download=True):
+def find(name, data_dir, download=True, model=None):
     """This process's view of the files of dataset ``name``, to hand to ``load``: whether they are
     there (downloaded first, when missing and allowed), or what is wrong with them. Call it before
     the process group exists: a download may outlast any collective's timeout. The processes sharing
-    a ``data_dir`` take turns (a file lock), so one downloads and the others then find the files."""
+    a ``data_dir`` take turns (a file lock), so one downloads and the others then find the files.
+    ``model`` (--model's): ``name`` None is its own data (auto for cnn, shakespeare for gpt), and
+    another model's is refused."""
+    if name is None:
+        name = "shakespeare" if model == "gpt" else "auto"
+    elif model is not None and (name == "shakespeare") != (model == "gpt"):  # no such pairing
+        wanted = "--dataset shakespeare (its default)" if model == "gpt" else "an image dataset"
+        raise DataError(f"--model {model} trains on {wanted}, not --dataset {name}")
     if (
         name == "auto" and data_dir is not None
     ):  # never read: say so, rather than train on other data than asked

@@ -1,0 +1,100 @@
+"""--model gpt, launched for real on the bundled Tiny Shakespeare: it learns under DDP, and DDP,
+FSDP and the pipeline follow one process's fp64 steps on it (the loss over every token's target,
+integer inputs through the batches, the stages and the gathers)."""
+
+import math
+import re
+
+import pytest
+import torch
+from conftest import (
+    CONTROL_FLOOR,
+    TOLERANCE,
+    load_weights,
+    python,
+    relative_difference,
+    succeeded,
+    torchrun,
+)
+
+from models import GPT
+
+# fp64, >= 10 optimizer steps of 2 micro-steps, clipped (the norm over every rank's gradients);
+# no evaluation: the validation split costs tens of seconds a run here (training.evaluate over
+# tokens is tests/test_gpt.py's).
+EQUIVALENT = ["--model", "gpt", "--precision", "fp64", "--optimizer", "sgd", "--lr", "0.3"]
+EQUIVALENT += ["--warmup-steps", "2", "--max-steps", "10", "--grad-accum", "2", "--log-every", "5"]
+EQUIVALENT += ["--max-grad-norm", "0.5", "--no-eval"]
+GLOBAL_BATCH = 16  # windows of 64 characters a micro-step, all ranks together
+
+
+def initial_weights():
+    torch.manual_seed(0)  # --seed 0's GPT, before any step
+    return GPT(65, 64).state_dict()
+
+
+def test_two_ddp_ranks_teach_the_gpt_the_text_in_twenty_steps(tmp_path):
+    # The negative control, measured here: the untrained GPT's loss on the first windows is about
+    # ln(65) = 4.17 (every character equally likely); 20 steps of batch 32 bring the last 10 steps'
+    # mean below 3.3, which takes learning at least the characters' frequencies (about 3.3).
+    from models import data, shakespeare
+
+    found = data.find(None, None, model="gpt")
+    train_set, _ = shakespeare.datasets(found["splits"], torch.device("cpu"))
+    inputs, targets = train_set[torch.arange(32)]
+    with torch.no_grad():
+        torch.manual_seed(0)  # --seed 0's GPT
+        logits = GPT(65, 64)(inputs)
+    untrained = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    assert abs(untrained - math.log(65)) < 0.1, untrained
+    run = succeeded(
+        torchrun(
+            "train_ddp.py",
+            2,
+            "--model",
+            "gpt",
+            "--batch-size",
+            "16",
+            "--max-steps",
+            "20",
+            "--log-every",
+            "10",
+            "--no-eval",
+        )
+    )
+    assert "shakespeare; 20 steps" in run.output  # --dataset's default with --model gpt
+    losses = [float(x) for x in re.findall(r"step \d+/20: loss \(all ranks\) ([\d.]+)", run.output)]
+    assert len(losses) == 2 and losses[1] < 3.3 < untrained - 0.8, losses
+    text = run.output.split("the trained GPT writes 240 characters:\n", 1)[1]
+    assert len(text) >= 240 and set(text[:240]) <= set(train_set.vocabulary), text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "script, ranks, flags",
+    [
+        ("train_ddp.py", 2, []),
+        ("train_fsdp.py", 2, []),
+        ("train_pippy.py", 2, ["--schedule", "1f1b", "--microbatches", "2"]),
+    ],
+    ids=["ddp-2", "fsdp-2", "pipeline-2-stages"],
+)
+def test_the_gpt_trains_as_one_process_does_in_fp64(script, ranks, flags, tmp_path):
+    # The pipeline keeps the global batch on each of its ranks (one replica); DDP and FSDP split it.
+    batch = GLOBAL_BATCH if script == "train_pippy.py" else GLOBAL_BATCH // ranks
+    paths = {name: tmp_path / f"{name}.pt" for name in ("one", "control", "run")}
+    one = python("train_ddp.py", *EQUIVALENT, "--batch-size", GLOBAL_BATCH, "--save", paths["one"])
+    # Negative control: one process at a rank's share of the batch, as a rank whose gradients
+    # nothing averaged.
+    half = GLOBAL_BATCH // 2
+    control = python("train_ddp.py", *EQUIVALENT, "--batch-size", half, "--save", paths["control"])
+    run = torchrun(
+        script, ranks, *EQUIVALENT, "--batch-size", batch, *flags, "--save", paths["run"]
+    )
+    for launched in (one, control, run):
+        succeeded(launched)
+    initial = initial_weights()
+    reference = load_weights(paths["one"])
+    assert relative_difference(load_weights(paths["control"]), reference, initial) > CONTROL_FLOOR
+    assert relative_difference(load_weights(paths["run"]), reference, initial) < TOLERANCE
+    assert "the trained GPT writes 240 characters:" in run.output  # from the gathered weights
