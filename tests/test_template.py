@@ -345,7 +345,17 @@ def test_a_copy_reads_at_most_its_budget_of_formatted_lines(script):
     lines = 0
     for path in [ROOT / script, *carried]:  # counted as ruff formats them, not as written
         formatted = subprocess.run(
-            ["ruff", "format", "--line-length", "100", "--stdin-filename", path.name, "-"],
+            [
+                sys.executable,
+                "-m",
+                "ruff",
+                "format",
+                "--line-length",
+                "100",
+                "--stdin-filename",
+                path.name,
+                "-",
+            ],
             input=path.read_text(),
             capture_output=True,
             text=True,

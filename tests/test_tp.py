@@ -60,11 +60,10 @@ def test_tensor_parallel_training_matches_one_ddp_process(
 # part.
 BREAKS = {
     "optimizer-before-the-split": lambda text: text.replace(
-        "        optimizer = training.make_optimizer(args, model.parameters())\n", ""
+        "    optimizer = training.make_optimizer(args, model.parameters())\n", ""
     ).replace(
-        "        # ---- wrap:",
-        "        optimizer = training.make_optimizer(args, model.parameters())\n"
-        "        # ---- wrap:",
+        "    # ---- wrap:",
+        "    optimizer = training.make_optimizer(args, model.parameters())\n    # ---- wrap:",
     ),
     "no-all-reduce-in-backward": lambda text: text.replace(
         "AllReduceBackward.apply(x, group)", "x"
