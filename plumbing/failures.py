@@ -110,11 +110,7 @@ def die_with_torchrun():
 
 
 def transient(error):
-    """One line for a failure that may pass on a retry; None for any other.
-
-    Such are a peer lost, a collective's error or timeout, a CUDA or NCCL error, and an
-    OSError other than a full disk or a permission.
-    """
+    """One line for a failure that may pass on a retry (a peer lost, an I/O error); else None."""
     if isinstance(error, Retryable):
         return str(error)
     if isinstance(error, CheckpointException):  # DCP's: {rank: (exception, traceback)}
@@ -155,21 +151,16 @@ def _end(line, exit_code, rank=None, note=True):
 
 
 def process_group_options(device, minutes=10):
-    """init_process_group's options: torchrun's ranks and store, or a group of one.
-
-    A collective that waits longer than ``minutes`` fails instead of hanging.
-    """
-    timeout = timedelta(minutes=minutes)
+    """init_process_group's options: torchrun's ranks and store, or a group of one."""
+    timeout = timedelta(minutes=minutes)  # a collective that waits longer fails: no hang
     if "RANK" not in os.environ:  # plain `python train_*.py`: every collective runs unchanged
         return dict(store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device_id = device if device.type != "cpu" else None  # a GPU's group connects at once
     return dict(
         store=_store_for_this_attempt(timeout),
-        rank=rank,
-        world_size=world_size,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
         timeout=timeout,
-        device_id=device_id,
+        device_id=device if device.type != "cpu" else None,  # a GPU's group connects at once
     )
 
 
@@ -219,9 +210,8 @@ class StopSignals:
     """Stop signals, recorded as they come, and the ranks' agreement on when to stop.
 
     STOP_SIGNALS are a scheduler's SIGTERM, SLURM's SIGUSR1 warning, Ctrl-C's SIGINT, a closed
-    terminal's SIGHUP and SIGQUIT. The ranks compare theirs about once a second of training
-    (``due``, ``proposal``, ``agree``) and all stop at the same step. A second signal, over a
-    second later, ends the process: a thread watches, as a rank blocked in a collective can't.
+    terminal's SIGHUP and SIGQUIT. A second signal, over a second later, ends the process: a
+    thread watches, as a rank blocked in a collective can't.
     """
 
     SECONDS = 1.0  # of training between two agreements: the most a stop waits
@@ -251,30 +241,22 @@ class StopSignals:
     def agree_now(self, step, logging_step, device):
         """Collective at ``logging_step``s and about once a second: the signal to stop on, or 0.
 
-        A signal reaches the ranks at different steps: they compare here (an all-reduce of
-        [the signal received here or 0, -(steps to the next check)] with MAX), and all stop at
-        the same step. Elsewhere 0, with no collective: the steps are the same on every rank.
+        The ranks all-reduce [the signal received here or 0, -(steps to this rank's next
+        check)] with MAX: all stop at the same step, and check next after the fewest steps any
+        rank proposed. Elsewhere 0, with no collective: the steps are the same on every rank.
         """
         if not (logging_step or step >= self.next_check):
             return 0
         agreed = torch.tensor([self.received, -self.steps], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        self.agreed = self.agree(agreed, step)
-        return self.agreed
-
-    def agree(self, agreed, step):
-        """The signal the ranks agreed on (0: none), from ``agree_now``'s all-reduce.
-
-        The next agreement comes after the fewest steps any rank proposed: this rank proposes
-        about SECONDS' worth by its clock (at most twice as many as now, for a slow start).
-        """
-        number, steps = (int(value) for value in agreed.tolist())
+        self.agreed, minus_fewest = agreed.tolist()  # one sync
+        fewest = -minus_fewest  # the fewest steps to its next check that a rank proposed
         now = time.monotonic()
-        if self.clock and step > self.clock[1]:
+        if self.clock and step > self.clock[1]:  # propose SECONDS' worth, at most twice as many
             seconds_per_step = max(now - self.clock[0], 1e-9) / (step - self.clock[1])
-            self.steps = int(max(1, min(2 * -steps, self.SECONDS / seconds_per_step, 1e6)))
-        self.clock, self.next_check = (now, step), step - steps
-        return number
+            self.steps = int(max(1, min(2 * fewest, self.SECONDS / seconds_per_step, 1e6)))
+        self.clock, self.next_check = (now, step), step + fewest
+        return self.agreed
 
     def stopped(self, step, total_steps, checkpoint_dir):
         """The Stopped to raise: exit code 128 + the signal, which schedulers requeue."""
