@@ -55,11 +55,8 @@ def say(line, rank=None):
 
 
 def run(main, *also):
-    """Run ``main()`` as a worker, then end the process group: each ending is one line.
-
-    UsageError (or an ``also``: the data's) exits 2; a ``transient`` failure 75, which
-    torchrun's restarts retry; a crash 1, its traceback in torchrun's error file.
-    """
+    """Run ``main()`` as a worker, then end the process group: each ending is one line and an
+    exit code (2: a UsageError or an ``also``; 75: ``transient``; 1: a crash; 128 + a signal)."""
     die_with_torchrun()
     ending = None  # (line, exit code, the rank that says it, whether torchrun's file notes it)
     try:
@@ -97,11 +94,8 @@ def _end_process_group():
 
 
 def die_with_torchrun():
-    """Under torchrun on Linux, be killed when it dies (PR_SET_PDEATHSIG).
-
-    SIGKILL (the OOM killer, a scheduler) gives torchrun no chance to stop its workers, which
-    would train on and race a restart for --checkpoint-dir.
-    """
+    """Under torchrun on Linux, be killed when it dies: SIGKILL (the OOM killer, a scheduler)
+    gives it no chance to stop its workers, which would race a restart for --checkpoint-dir."""
     launcher = os.getppid()
     if "RANK" in os.environ and sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
@@ -130,10 +124,8 @@ def transient(error):
 
 
 def _end(line, exit_code, rank=None, note=True):
-    """Say ``line`` (None: nothing), note it in torchrun's error file, exit at once.
-
-    os._exit: no interpreter shutdown, where threads a failed run left behind could abort it.
-    """
+    """Say ``line`` (None: nothing), note it in torchrun's error file, and exit at once, with no
+    interpreter shutdown, where threads a failed run left behind could abort it."""
     for number in STOP_SIGNALS:  # said and noted, or neither: torchrun may be stopping it
         signal.signal(number, signal.SIG_IGN)
     said = say(line, rank) if line else False
@@ -165,11 +157,9 @@ def process_group_options(device, minutes=10):
 
 
 def _store_for_this_attempt(timeout):
-    """torchrun's store, under a prefix of this attempt's own; None: init_process_group's env://.
-
-    torchrun keeps one store across its restarts, where a restarted worker would read the dead
-    workers' addresses and fail ("Connection refused", pytorch issue 135712).
-    """
+    """torchrun's store, under a prefix of this attempt's own (None: env://): torchrun keeps one
+    store across its restarts, where a restarted worker would read the dead workers' addresses
+    and fail ("Connection refused", pytorch issue 135712)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -180,29 +170,25 @@ def _store_for_this_attempt(timeout):
 
 def on_rank_0(work, what, share=True):
     """Collective: rank 0 runs ``work()``; its result on every rank (``share``) or on rank 0.
-
-    Whatever rank 0 raises, every rank raises at once with the same line: never are the
-    others left waiting for a collective rank 0 will not make.
-    """
-    result, problem = None, None  # problem: (kind, line)
+    Whatever rank 0 raises, every rank raises at once: none waits for a collective it skips."""
+    result, problem = None, None  # problem: the error every rank raises
     if dist.get_rank() == 0:
         try:
             result = work()
         except UsageError as error:
-            problem = ("usage", str(error))
+            problem = UsageError(str(error))
         except Exception as error:  # a bug too: its traceback here, its line on every rank
             line = transient(error)
             if line:
-                problem = ("retry", line)
+                problem = Retryable(line)
             else:
                 traceback.print_exc()
                 text = " ".join(str(error).split())[:300]
-                problem = ("crash", f"rank 0 failed {what}: {type(error).__name__}: {text}")
+                problem = RuntimeError(f"rank 0 failed {what}: {type(error).__name__}: {text}")
     outcome = [result if share else None, problem]
     dist.broadcast_object_list(outcome, src=0)
     if outcome[1]:
-        kind, line = outcome[1]
-        raise {"usage": UsageError, "retry": Retryable, "crash": RuntimeError}[kind](line)
+        raise outcome[1]
     return outcome[0] if share else result
 
 
