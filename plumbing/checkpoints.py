@@ -30,12 +30,12 @@ def write_atomically(path, write, size=0):
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
-    except BaseException as error:
+    except BaseException as error:  # torch.save's RuntimeError may hide an OSError
         if os.path.exists(temporary):  # before the free space is measured
             size = max(size, os.path.getsize(temporary))
             os.remove(temporary)
         if not isinstance(error, OSError) and not isinstance(error.__context__, OSError):
-            raise  # torch.save's RuntimeError may hide an OSError: that one is the user's too
+            raise
         raise UsageError(f"{path} was not written ({cannot_write(path, error, size)})") from None
 
 

@@ -116,9 +116,8 @@ def transient(error):
     if isinstance(error, torch.cuda.OutOfMemoryError):  # the same batch runs out again
         return None
     words = ("gloo", "NCCL", "CUDA error", "onnection", "timed out", "Timed out", "Socket")
-    if isinstance(error, dist.DistError) or (
-        isinstance(error, RuntimeError) and any(word in text for word in words)
-    ):
+    by_its_text = isinstance(error, RuntimeError) and any(word in text for word in words)
+    if isinstance(error, dist.DistError) or by_its_text:
         return f"a collective failed ({text})"
     return None
 
