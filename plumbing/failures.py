@@ -225,13 +225,10 @@ class StopSignals:
 
     def agree_now(self, step, logging_step, device):
         """Collective at ``logging_step``s and about once a second: the signal to stop on, or 0.
-
-        The ranks all-reduce [the signal received here or 0, -(steps to this rank's next
-        check)] with MAX: all stop at the same step, and check next after the fewest steps any
-        rank proposed. Elsewhere 0, with no collective: the steps are the same on every rank.
-        """
+        Elsewhere 0, with no collective: the steps, so the checks, are the same on every rank."""
         if not (logging_step or step >= self.next_check):
             return 0
+        # [the signal received here or 0, -(steps to this rank's next check)], their MAXes
         agreed = torch.tensor([self.received, -self.steps], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         self.agreed, minus_fewest = agreed.tolist()  # one sync
