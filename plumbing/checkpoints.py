@@ -21,10 +21,7 @@ FORMAT = 4  # of checkpoint.json: 4 holds the peak lr
 
 
 def write_atomically(path, write, size=0):
-    """``write(file)`` into a temporary file beside ``path``, renamed when complete.
-
-    Never half a file: a full disk or a read-only directory is one line, the old file kept.
-    """
+    """``write(file)`` beside ``path``, then renamed: never half a file, the old one kept."""
     folder, name = os.path.split(os.path.abspath(path))
     temporary = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
     try:
@@ -33,16 +30,13 @@ def write_atomically(path, write, size=0):
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
-    except (OSError, RuntimeError) as error:  # torch.save's RuntimeError may hide an OSError
-        if not isinstance(error, OSError) and not isinstance(error.__context__, OSError):
-            raise
+    except BaseException as error:  # torch.save's RuntimeError may hide an OSError
         if os.path.exists(temporary):  # before the free space is measured
             size = max(size, os.path.getsize(temporary))
             os.remove(temporary)
+        if not isinstance(error, OSError) and not isinstance(error.__context__, OSError):
+            raise
         raise UsageError(f"{path} was not written ({cannot_write(path, error, size)})") from None
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
 
 
 def cannot_write(path, error, needed=0):
@@ -75,11 +69,10 @@ def save_json(value, path):
 
 
 def init_from(model, path, log):
-    """Collective: the weights in ``path`` into ``model``, whole on every rank.
+    """Collective: the weights in ``path`` (torch.save's or .safetensors) into ``model``.
 
-    ``path``: a state dict saved by torch.save, or a .safetensors file. Rank 0 reads it and
-    checks its names and shapes, then broadcasts each tensor: a node holds the file's weights
-    once, not once per rank. Call it before the model is wrapped, sharded or cut.
+    Rank 0 reads and checks them and broadcasts each: a node holds them once, not once per rank.
+    Call it before the model is wrapped, sharded or cut.
     """
     expected = model.state_dict()
 
@@ -130,11 +123,8 @@ def _first_cause(error):  # DCP's CheckpointException holds {rank: (exception, t
 
 
 class Checkpointer:
-    """``step-<N>`` in --checkpoint-dir, which every rank must see.
-
-    DCP's files, each rank's part by parameter name (any strategy resumes any other's), and
-    checkpoint.json: layout, position, peak lr, each file's SHA-256 (none in DCP).
-    """
+    """``step-<N>`` in --checkpoint-dir, which every rank must see: DCP's files, by parameter name
+    (any strategy resumes any other's), and checkpoint.json with each file's SHA-256."""
 
     def __init__(self, args, dataset_name, global_batch_size, device):
         self.args, self.directory, self.device = args, args.checkpoint_dir, device
@@ -146,11 +136,9 @@ class Checkpointer:
         return bool(self.directory) and (now or step % self.args.checkpoint_every == 0)
 
     def save(self, step, position, model, optimizer, peak_lr, window_loss):
-        """Collective: save ``step-<N>``, if every weight, state and the loss are finite.
+        """Collective: save ``step-<N>`` if every weight, state and ``window_loss`` is finite.
 
-        The ranks agree on that (``window_loss``: the loss since the last logging step), or
-        refuse (``diverged``); all write their part into .tmp-step-<N>; rank 0 hashes the
-        files, adds checkpoint.json and renames the folder.
+        All ranks write into .tmp-step-<N>; rank 0 adds checkpoint.json and renames it.
         """
         final = os.path.join(self.directory, f"step-{step}")
         temporary = os.path.join(self.directory, f".tmp-step-{step}")
@@ -202,16 +190,12 @@ class Checkpointer:
         return Retryable(f"{line}; the ones saved before it are intact")
 
     def refuse_divergence(self, step, loss):
-        """Raise ``diverged``'s UsageError if the loss is not finite (the same value on every rank:
-        all raise it at this step)."""
+        """Raise ``diverged`` if ``loss``, the same on every rank, is not finite."""
         if not math.isfinite(loss):
             raise self.diverged(step, f"the training loss is {loss}")
 
     def diverged(self, step, what):
-        """The UsageError of a run that diverged at ``step``, naming the newest checkpoint.
-
-        Every checkpoint is finite (save refuses any other): a rerun with a lower lr goes on.
-        """
+        """The UsageError of a run that diverged at ``step``, naming its newest checkpoint."""
         if not self.directory:
             saved = "nothing was saved: no --checkpoint-dir"
         elif complete := self._list_complete():
@@ -263,10 +247,9 @@ class Checkpointer:
             if not path:
                 continue
             try:
-                wrong = os.path.exists(path) and os.path.isdir(path) != folder
-                if folder and wrong:
+                if folder and os.path.isfile(path):
                     raise OSError("it is a file, not a directory")
-                if not folder and (wrong or path.endswith("/")):
+                if not folder and (os.path.isdir(path) or path.endswith("/")):
                     raise OSError("it names a directory, not a file")
                 directory = path if folder else os.path.dirname(os.path.abspath(path))
                 os.makedirs(directory, exist_ok=True)
@@ -278,8 +261,7 @@ class Checkpointer:
     def resume(self, model, optimizer, peak_lr, log):
         """Collective: every rank loads its part of the newest intact checkpoint, if any.
 
-        Rank 0 finds it (or checks --resume-from's). Returns where training goes on: step,
-        epoch, samples_into_epoch.
+        Returns where training goes on: step, epoch, samples_into_epoch.
         """
         found = on_rank_0(lambda: self._newest_intact(log), "finding a checkpoint")
         if found is None:
@@ -287,7 +269,7 @@ class Checkpointer:
         path, info = found
         # Not before: get_state_dict steps a fresh optimizer.
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        tensors = {"model": model_state, "optimizer": optimizer_state["state"]}
+        tensors = {"model": model_state, "optimizer": optimizer_state["state"]}  # loaded in place
         same_ranks = all(info["layout"].get(k) == self.layout[k] for k in ("world_size", "device"))
         if same_ranks:  # random states: each rank's own
             tensors["rng"] = {f"rank{dist.get_rank()}": self._random_states()}
@@ -306,9 +288,8 @@ class Checkpointer:
             why = transient(cause) or type(cause).__name__
             line = f"checkpoint {path} was not loaded ({why}): it is intact (its SHA-256s match)"
             raise Retryable(line) from None
-        optimizer_state["state"] = tensors["optimizer"]
         set_state_dict(
-            model, optimizer, model_state_dict=tensors["model"], optim_state_dict=optimizer_state
+            model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state
         )
         for kind, state in tensors.get("rng", {}).get(f"rank{dist.get_rank()}", {}).items():
             if kind == "cpu":
@@ -359,25 +340,24 @@ class Checkpointer:
 
     def _newest_in_directory(self, log):
         """On rank 0: (path, checkpoint.json) or None; damaged newer ones are moved aside."""
-        damaged = []  # (path, what is wrong), newest first
+        damaged = []  # (name, what is wrong), newest first
         self._remove_strays()
         for name in reversed(self._list_complete()):
             path = os.path.join(self.directory, name)
             info, problem = _verify(path, self.layout)
             if problem is None:
-                for bad, why in damaged:
-                    aside = _unused(
-                        os.path.join(self.directory, "damaged-" + os.path.basename(bad))
-                    )
+                for bad_name, why in damaged:
+                    bad = os.path.join(self.directory, bad_name)
+                    aside = _unused(os.path.join(self.directory, "damaged-" + bad_name))
                     os.replace(bad, aside)
                     log(
                         f"checkpoint {bad} is damaged ({why}): moved it to {aside}; "
                         "resuming from an older one"
                     )
                 return path, info
-            damaged.append((path, problem))
+            damaged.append((name, problem))
         if damaged:  # nothing is moved: a restart must not start again from step 0 unsaid
-            faults = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in damaged)
+            faults = "; ".join(f"{bad}: {why}" for bad, why in damaged)
             raise UsageError(
                 f"no intact checkpoint in {self.directory}: {faults}; restore one, "
                 "or use another --checkpoint-dir"
@@ -415,18 +395,14 @@ def _verify(path, layout=None):
 
 
 def _unused(path):  # path, or path-2, path-3, ...: the first that does not exist
-    taken = path
-    for number in range(2, 1_000_000):
-        if not os.path.lexists(taken):
-            return taken
+    taken, number = path, 1
+    while os.path.lexists(taken):
+        number += 1
         taken = f"{path}-{number}"
-    raise UsageError(f"{path}: a million names like it are taken; move them away")
+    return taken
 
 
-def _fingerprint(path):  # [size in bytes, SHA-256] of a file, read in 1 MiB pieces
-    digest, size = hashlib.sha256(), 0
+def _fingerprint(path):  # [size in bytes, SHA-256] of a file
     with open(path, "rb") as file:
-        while piece := file.read(1 << 20):
-            digest.update(piece)
-            size += len(piece)
-    return [size, digest.hexdigest()]
+        digest = hashlib.file_digest(file, "sha256").hexdigest()
+    return [os.path.getsize(path), digest]

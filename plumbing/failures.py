@@ -55,11 +55,8 @@ def say(line, rank=None):
 
 
 def run(main, *also):
-    """Run ``main()`` as a worker, then end the process group: each ending is one line.
-
-    UsageError (or an ``also``: the data's) exits 2; a ``transient`` failure 75, which
-    torchrun's restarts retry; a crash 1, its traceback in torchrun's error file.
-    """
+    """Run ``main()`` as a worker, then end the process group: each ending is one line and an
+    exit code (2: a UsageError or an ``also``; 75: ``transient``; 1: a crash; 128 + a signal)."""
     die_with_torchrun()
     ending = None  # (line, exit code, the rank that says it, whether torchrun's file notes it)
     try:
@@ -97,11 +94,8 @@ def _end_process_group():
 
 
 def die_with_torchrun():
-    """Under torchrun on Linux, be killed when it dies (PR_SET_PDEATHSIG).
-
-    SIGKILL (the OOM killer, a scheduler) gives torchrun no chance to stop its workers, which
-    would train on and race a restart for --checkpoint-dir.
-    """
+    """Under torchrun on Linux, be killed when it dies: SIGKILL (the OOM killer, a scheduler)
+    gives it no chance to stop its workers, which would race a restart for --checkpoint-dir."""
     launcher = os.getppid()
     if "RANK" in os.environ and sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
@@ -110,11 +104,7 @@ def die_with_torchrun():
 
 
 def transient(error):
-    """One line for a failure that may pass on a retry; None for any other.
-
-    Such are a peer lost, a collective's error or timeout, a CUDA or NCCL error, and an
-    OSError other than a full disk or a permission.
-    """
+    """One line for a failure that may pass on a retry (a peer lost, an I/O error); else None."""
     if isinstance(error, Retryable):
         return str(error)
     if isinstance(error, CheckpointException):  # DCP's: {rank: (exception, traceback)}
@@ -126,18 +116,15 @@ def transient(error):
     if isinstance(error, torch.cuda.OutOfMemoryError):  # the same batch runs out again
         return None
     words = ("gloo", "NCCL", "CUDA error", "onnection", "timed out", "Timed out", "Socket")
-    if isinstance(error, dist.DistError) or (
-        isinstance(error, RuntimeError) and any(word in text for word in words)
-    ):
+    by_its_text = isinstance(error, RuntimeError) and any(word in text for word in words)
+    if isinstance(error, dist.DistError) or by_its_text:
         return f"a collective failed ({text})"
     return None
 
 
 def _end(line, exit_code, rank=None, note=True):
-    """Say ``line`` (None: nothing), note it in torchrun's error file, exit at once.
-
-    os._exit: no interpreter shutdown, where threads a failed run left behind could abort it.
-    """
+    """Say ``line`` (None: nothing), note it in torchrun's error file, and exit at once, with no
+    interpreter shutdown, where threads a failed run left behind could abort it."""
     for number in STOP_SIGNALS:  # said and noted, or neither: torchrun may be stopping it
         signal.signal(number, signal.SIG_IGN)
     said = say(line, rank) if line else False
@@ -155,30 +142,23 @@ def _end(line, exit_code, rank=None, note=True):
 
 
 def process_group_options(device, minutes=10):
-    """init_process_group's options: torchrun's ranks and store, or a group of one.
-
-    A collective that waits longer than ``minutes`` fails instead of hanging.
-    """
-    timeout = timedelta(minutes=minutes)
+    """init_process_group's options: torchrun's ranks and store, or a group of one."""
+    timeout = timedelta(minutes=minutes)  # a collective that waits longer fails: no hang
     if "RANK" not in os.environ:  # plain `python train_*.py`: every collective runs unchanged
         return dict(store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device_id = device if device.type != "cpu" else None  # a GPU's group connects at once
     return dict(
         store=_store_for_this_attempt(timeout),
-        rank=rank,
-        world_size=world_size,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
         timeout=timeout,
-        device_id=device_id,
+        device_id=device if device.type != "cpu" else None,  # a GPU's group connects at once
     )
 
 
 def _store_for_this_attempt(timeout):
-    """torchrun's store, under a prefix of this attempt's own; None: init_process_group's env://.
-
-    torchrun keeps one store across its restarts, where a restarted worker would read the dead
-    workers' addresses and fail ("Connection refused", pytorch issue 135712).
-    """
+    """torchrun's store, under a prefix of this attempt's own (None: env://): torchrun keeps one
+    store across its restarts, where a restarted worker would read the dead workers' addresses
+    and fail ("Connection refused", pytorch issue 135712)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -189,29 +169,25 @@ def _store_for_this_attempt(timeout):
 
 def on_rank_0(work, what, share=True):
     """Collective: rank 0 runs ``work()``; its result on every rank (``share``) or on rank 0.
-
-    Whatever rank 0 raises, every rank raises at once with the same line: never are the
-    others left waiting for a collective rank 0 will not make.
-    """
-    result, problem = None, None  # problem: (kind, line)
+    Whatever rank 0 raises, every rank raises at once: none waits for a collective it skips."""
+    result, problem = None, None  # problem: the error every rank raises
     if dist.get_rank() == 0:
         try:
             result = work()
         except UsageError as error:
-            problem = ("usage", str(error))
+            problem = UsageError(str(error))
         except Exception as error:  # a bug too: its traceback here, its line on every rank
             line = transient(error)
             if line:
-                problem = ("retry", line)
+                problem = Retryable(line)
             else:
                 traceback.print_exc()
                 text = " ".join(str(error).split())[:300]
-                problem = ("crash", f"rank 0 failed {what}: {type(error).__name__}: {text}")
+                problem = RuntimeError(f"rank 0 failed {what}: {type(error).__name__}: {text}")
     outcome = [result if share else None, problem]
     dist.broadcast_object_list(outcome, src=0)
     if outcome[1]:
-        kind, line = outcome[1]
-        raise {"usage": UsageError, "retry": Retryable, "crash": RuntimeError}[kind](line)
+        raise outcome[1]
     return outcome[0] if share else result
 
 
@@ -219,9 +195,8 @@ class StopSignals:
     """Stop signals, recorded as they come, and the ranks' agreement on when to stop.
 
     STOP_SIGNALS are a scheduler's SIGTERM, SLURM's SIGUSR1 warning, Ctrl-C's SIGINT, a closed
-    terminal's SIGHUP and SIGQUIT. The ranks compare theirs about once a second of training
-    (``due``, ``proposal``, ``agree``) and all stop at the same step. A second signal, over a
-    second later, ends the process: a thread watches, as a rank blocked in a collective can't.
+    terminal's SIGHUP and SIGQUIT. A second signal, over a second later, ends the process: a
+    thread watches, as a rank blocked in a collective can't.
     """
 
     SECONDS = 1.0  # of training between two agreements: the most a stop waits
@@ -250,31 +225,20 @@ class StopSignals:
 
     def agree_now(self, step, logging_step, device):
         """Collective at ``logging_step``s and about once a second: the signal to stop on, or 0.
-
-        A signal reaches the ranks at different steps: they compare here (an all-reduce of
-        [the signal received here or 0, -(steps to the next check)] with MAX), and all stop at
-        the same step. Elsewhere 0, with no collective: the steps are the same on every rank.
-        """
+        Elsewhere 0, with no collective: the steps, so the checks, are the same on every rank."""
         if not (logging_step or step >= self.next_check):
             return 0
+        # [the signal received here or 0, -(steps to this rank's next check)], their MAXes
         agreed = torch.tensor([self.received, -self.steps], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        self.agreed = self.agree(agreed, step)
-        return self.agreed
-
-    def agree(self, agreed, step):
-        """The signal the ranks agreed on (0: none), from ``agree_now``'s all-reduce.
-
-        The next agreement comes after the fewest steps any rank proposed: this rank proposes
-        about SECONDS' worth by its clock (at most twice as many as now, for a slow start).
-        """
-        number, steps = (int(value) for value in agreed.tolist())
+        self.agreed, minus_fewest = agreed.tolist()  # one sync
+        fewest = -minus_fewest  # the fewest steps to its next check that a rank proposed
         now = time.monotonic()
-        if self.clock and step > self.clock[1]:
+        if self.clock and step > self.clock[1]:  # propose SECONDS' worth, at most twice as many
             seconds_per_step = max(now - self.clock[0], 1e-9) / (step - self.clock[1])
-            self.steps = int(max(1, min(2 * -steps, self.SECONDS / seconds_per_step, 1e6)))
-        self.clock, self.next_check = (now, step), step - steps
-        return number
+            self.steps = int(max(1, min(2 * fewest, self.SECONDS / seconds_per_step, 1e6)))
+        self.clock, self.next_check = (now, step), step + fewest
+        return self.agreed
 
     def stopped(self, step, total_steps, checkpoint_dir):
         """The Stopped to raise: exit code 128 + the signal, which schedulers requeue."""
