@@ -120,8 +120,8 @@ def main():
                 # Keep unsharded gradients local; the last micro-step reduce-scatters their sum
                 last_micro_step = micro_step == args.grad_accum - 1
                 model.set_requires_gradient_sync(last_micro_step)
-                # (..., C) logits of (...) targets; the GPT's split by vocabulary: no gather
-                with loss_parallel():  # (nothing to do for BabyCNN's whole logits)
+                # (..., C) logits of (...) targets; the GPT's split by vocabulary, ungathered
+                with loss_parallel():  # collective: the GPT's loss all-reduces over tp ranks
                     loss = F.cross_entropy(model(images).flatten(0, -2), labels.flatten())
                     (loss / args.grad_accum).backward()  # the mean over micro-steps
                 window_loss += local(loss.detach())  # the GPT's: the same on every tp rank
@@ -271,12 +271,16 @@ def gpt_plan(config, tp):
             input_layouts=whole, output_layouts=positions, use_local_output=False
         ),
         # The position table is (positions, n_embd): split on dim 0, it lines up with Shard(1)
-        # of the tokens' (batch, positions, n_embd) in their sum.
+        # of the tokens' (batch, positions, n_embd) in their sum. Each rank holds the rows of
+        # its own positions, so the reduce-scatter adds zeros: 1/batch of the tokens' bytes.
         "blocks.0.positions": RowwiseParallel(
             input_layouts=whole, output_layouts=Shard(0), use_local_output=False
         ),
         "blocks.0.dropout": SequenceParallel(),
     }
+    # PrepareModuleInput gathers the positions once for query, key and value (each one's
+    # ColwiseParallel would gather again); use_local_output=False keeps the residual stream a
+    # DTensor, so that x + attn(x) adds like placements.
     block = {
         "attn_norm": SequenceParallel(),
         "attn": PrepareModuleInput(input_layouts=positions, desired_input_layouts=whole),
