@@ -4,6 +4,7 @@ Launch (the README and run_tp.sh use the same commands):
     python train_tp.py --tp 1                                      # one process: nothing split
     torchrun --standalone --nproc-per-node=2 train_tp.py           # one node, 2 processes: tp 2
     torchrun --standalone --nproc-per-node=4 train_tp.py --tp 2    # 4 processes: tp 2 x dp 2
+    torchrun --standalone --nproc-per-node=2 train_tp.py --model gpt  # the GPT: gpt_plan()
     torchrun --nnodes=2 --node-rank=$NODE_RANK --nproc-per-node=2 --rdzv-backend=c10d \
         --rdzv-endpoint=$MASTER_ADDR:29500 --rdzv-id=babycnn train_tp.py  # on each node
 Through the wrapper: `bash run_tp.sh [flags]`; for two nodes, on each node,
