@@ -1,9 +1,10 @@
-"""Train BabyCNN with tensor parallelism (TP) inside groups of --tp ranks, and FSDP2 across them.
+"""Train a model with tensor parallelism (TP) inside groups of --tp ranks, and FSDP2 across them.
 
 Launch (the README and run_tp.sh use the same commands):
     python train_tp.py --tp 1                                      # one process: nothing split
     torchrun --standalone --nproc-per-node=2 train_tp.py           # one node, 2 processes: tp 2
     torchrun --standalone --nproc-per-node=4 train_tp.py --tp 2    # 4 processes: tp 2 x dp 2
+    torchrun --standalone --nproc-per-node=2 train_tp.py --model gpt  # the GPT: gpt_plan()
     torchrun --nnodes=2 --node-rank=$NODE_RANK --nproc-per-node=2 --rdzv-backend=c10d \
         --rdzv-endpoint=$MASTER_ADDR:29500 --rdzv-id=babycnn train_tp.py  # on each node
 Through the wrapper: `bash run_tp.sh [flags]`; for two nodes, on each node,
@@ -12,8 +13,12 @@ Through the wrapper: `bash run_tp.sh [flags]`; for two nodes, on each node,
 What TP changes compared with train_fsdp.py:
   setup  a 2-D device mesh (dp, tp): --tp ranks split each layer; their groups are data parallel
   data   the sampler deals one share per tp group: its ranks see the same batch
-  wrap   tensor_parallel() splits each pair of layers by channels (one all-reduce per pair),
-         then fully_shard() over the mesh's dp dimension; the optimizer is built after both
+  wrap   the GPT (--model gpt): parallelize_module() with gpt_plan(), the plan to copy and edit
+         for a transformer: heads and the MLP split, the residual stream split by positions
+         (sequence parallelism), the logits by vocabulary; BabyCNN: tensor_parallel() splits each
+         pair of layers by channels, written out (one all-reduce per pair): the lesson of what TP
+         does inside. Then fully_shard() over the mesh's dp dimension; the optimizer after both
+  loss   loss_parallel(): the cross-entropy over the GPT's vocabulary-split logits
   eval   each tp group scores a slice of the test set; the sums are all-reduced over dp
 Every collective is called here, or in a call marked "collective" (every rank must make it).
 """
@@ -28,8 +33,15 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.utils.data.distributed import DistributedSampler
 
 import models
@@ -58,11 +70,8 @@ def main():
     # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
     # collective: every rank sees what each found, so all train on the same data
     dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
-    # One share per tp group: its ranks see the same batch. drop_last: else the sampler pads
-    # the shards by repeating samples, counted twice.
-    sampler = DistributedSampler(
-        train_set, dp, dp_rank, shuffle=True, seed=args.seed, drop_last=True
-    )
+    # One share per tp group: its ranks see the same batch; drop_last: no sample counted twice
+    sampler = DistributedSampler(train_set, dp, dp_rank, seed=args.seed, drop_last=True)  # shuffled
     plan = training.Plan(args, len(sampler), dp, dataset_name, "tp groups")
     checkpointer = checkpoints.Checkpointer(args, dataset_name, plan.global_batch_size, device)
     checkpointer.check_outputs()  # collective: rank 0 tries a write where each output goes
@@ -71,8 +80,8 @@ def main():
     test_batches = training.Batches(test_set, 512, device, dtype, args.workers)
 
     # ---- model: whole on every rank, from the seed: train_ddp.py's weights, for any model ----
-    # tensor_parallel and fully_shard keep only this rank's part of each. (A model too big
-    # for one device is built on the meta device instead: docs/fsdp.md says when and how.)
+    # parallelize() keeps only this rank's part of each (a model too big for one device is
+    # built on the meta device instead: docs/fsdp.md says when and how).
     torch.manual_seed(args.seed)
     model = models.build(args, train_set, device, dtype)  # --model's, for the data's shapes
     if args.init_from:  # rank 0 reads the file and broadcasts each weight
@@ -80,15 +89,14 @@ def main():
     param_count = sum(p.numel() for p in model.parameters())
     flops = watch.flops_per_sample(model, next(test_batches([0]))[0])  # forward + backward
 
-    # ---- wrap: split each pair of layers across the tp ranks, then shard them over dp ----
+    # ---- wrap: split each layer across the tp ranks, then shard them over dp ----
     parallelize(model, args, mesh)
     # The optimizer after the split: before, it would hold the whole tensors it replaced.
     optimizer = training.make_optimizer(args, model.parameters())
 
     # ---- resume: every rank loads its part of the newest checkpoint, if any ----
     resumed = checkpointer.resume(model, optimizer, plan.peak_lr, log)  # collective
-    mesh_shape = tuple(mesh.shape)
-    what = f"TP {args.tp} x FSDP {dp} (mesh (dp, tp) {mesh_shape}) on {world_size} rank(s)"
+    what = f"TP {args.tp} x FSDP {dp} (mesh (dp, tp) {tuple(mesh.shape)}) on {world_size} rank(s)"
     figures = watch.describe(args, plan, param_count, flops, "tp group")
     log(f"{what} ({backend}, {device.type}): {figures}")
 
@@ -113,10 +121,11 @@ def main():
                 # Keep unsharded gradients local; the last micro-step reduce-scatters their sum
                 last_micro_step = micro_step == args.grad_accum - 1
                 model.set_requires_gradient_sync(last_micro_step)
-                # (..., C) logits of (...) targets: an image's or each token's
-                loss = F.cross_entropy(model(images).flatten(0, -2), labels.flatten())
-                (loss / args.grad_accum).backward()  # the mean over micro-steps
-                window_loss += loss.detach()
+                # (..., C) logits of (...) targets; the GPT's split by vocabulary, ungathered
+                with loss_parallel():  # collective: the GPT's loss all-reduces over tp ranks
+                    loss = F.cross_entropy(model(images).flatten(0, -2), labels.flatten())
+                    (loss / args.grad_accum).backward()  # the mean over micro-steps
+                window_loss += local(loss.detach())  # the GPT's: the same on every tp rank
                 window_count += 1
             if args.max_grad_norm:
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -160,12 +169,15 @@ def main():
     progress.close()  # the bar's last state stays on the screen
 
     # ---- save: every rank sends its shards; rank 0 gets the full state dict and writes ----
-    if args.save:
+    if args.save or hasattr(train_set, "write"):  # the weights; the text the GPT writes
         full_state = gather_full_state_dict(model)  # collective: in rank 0's CPU memory
+    if args.save:
         write = lambda: checkpoints.save_state_dict(full_state, args.save)  # noqa: E731
         # collective: whatever rank 0's write raises, every rank raises
         failures.on_rank_0(write, "writing --save")
         log(f"saved the weights to {args.save}")
+    if hasattr(train_set, "write"):  # text: rank 0 prints what the model writes
+        log(train_set.write(full_state))  # the other ranks' gather leaves them none
     if args.metrics:
         run = {"strategy": "tp", "tp": args.tp, "mesh": list(mesh.shape)}
         run |= {"test_loss": test_loss, "test_accuracy": test_accuracy}
@@ -206,12 +218,9 @@ def make_mesh(args, device, world_size):
 
 def check_flags(args, world_size):
     """Refuse TP's flags that cannot work together, before anything is built."""
-    if args.model != "cnn":  # tensor_parallel() names BabyCNN's layers
-        raise failures.UsageError(
-            f"train_tp.py splits BabyCNN's convolutions by hand and has no plan for --model "
-            f"{args.model} yet: train it with train_ddp.py, train_fsdp.py or train_pippy.py"
-        )
-    if world_size % args.tp or args.width * 8 % args.tp:
+    if args.model == "gpt" and world_size % args.tp:  # gpt_plan() checks the heads
+        raise failures.UsageError(f"--tp {args.tp} must divide the world size {world_size}")
+    if args.model == "cnn" and (world_size % args.tp or args.width * 8 % args.tp):
         raise failures.UsageError(
             f"--tp {args.tp} must divide the world size {world_size} and BabyCNN's "
             f"{args.width * 8} channels (8 x --width), which it splits"
@@ -233,12 +242,74 @@ def parallelize(model, args, mesh):
         mp_policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
         )
-    tensor_parallel(model, mesh["tp"])
+    if args.model == "gpt":  # a plan keyed by module names: the form to copy
+        parallelize_module(model, mesh["tp"], gpt_plan(model.config, args.tp))
+    else:  # BabyCNN's split, written out: what a plan's styles do inside
+        tensor_parallel(model, mesh["tp"])
     for index, block in enumerate(model.blocks):
         # Backward starts with the last block: resharding it after forward would only regather.
         last = index == len(model.blocks) - 1
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=not last, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh["dp"], mp_policy=mp_policy)
+
+
+def gpt_plan(config, tp):
+    """The GPT's tensor-parallel plan: a ParallelStyle for each module name (models/gpt.py's).
+
+    In each block, query, key and value are split column-wise (each rank computes whole heads,
+    as the attention reshapes by head_dim), the output projection row-wise: one reduce-scatter
+    of its partial sums; the MLP likewise. Between blocks the residual stream stays split by
+    positions, Shard(1) (sequence parallelism): the norms and dropouts work on 1/tp of the
+    positions, and each block all-gathers its norm's output once for the attention or the MLP.
+    The head's Linear splits the vocabulary and keeps its logits split, for loss_parallel().
+    """
+    if config["n_head"] % tp:
+        raise failures.UsageError(f"--tp {tp} must divide the GPT's {config['n_head']} heads")
+    positions = Shard(1)  # of (batch, positions, n_embd): the residual stream between blocks
+    whole = Replicate()
+    plan = {  # the embedding: each rank holds 1/tp of the rows, then reduce-scatters the sums
+        "blocks.0.tokens": RowwiseParallel(
+            input_layouts=whole, output_layouts=positions, use_local_output=False
+        ),
+        # The position table is (positions, n_embd): split on dim 0, it lines up with Shard(1)
+        # of the tokens' (batch, positions, n_embd) in their sum. Each rank holds the rows of
+        # its own positions, so the reduce-scatter adds zeros: 1/batch of the tokens' bytes.
+        "blocks.0.positions": RowwiseParallel(
+            input_layouts=whole, output_layouts=Shard(0), use_local_output=False
+        ),
+        "blocks.0.dropout": SequenceParallel(),
+    }
+    # PrepareModuleInput gathers the positions once for query, key and value (each one's
+    # ColwiseParallel would gather again); use_local_output=False keeps the residual stream a
+    # DTensor, so that x + attn(x) adds like placements.
+    block = {
+        "attn_norm": SequenceParallel(),
+        "attn": PrepareModuleInput(input_layouts=positions, desired_input_layouts=whole),
+        "attn.query": ColwiseParallel(),
+        "attn.key": ColwiseParallel(),
+        "attn.value": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(output_layouts=positions, use_local_output=False),
+        "attn.resid_dropout": SequenceParallel(),
+        "mlp_norm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=positions, desired_input_layouts=whole),
+        "mlp.fc": ColwiseParallel(),
+        "mlp.proj": RowwiseParallel(output_layouts=positions, use_local_output=False),
+        "mlp.dropout": SequenceParallel(),
+    }
+    for index in range(1, config["n_layer"] + 1):  # blocks.0 is Embed, the last one Head
+        plan |= {f"blocks.{index}.{name}": style for name, style in block.items()}
+    head = f"blocks.{config['n_layer'] + 1}"
+    plan[f"{head}.norm"] = SequenceParallel()
+    # Logits (batch, positions, vocabulary) split by vocabulary, Shard(-1), kept a DTensor.
+    plan[f"{head}.out"] = ColwiseParallel(
+        input_layouts=positions, output_layouts=Shard(-1), use_local_output=False
+    )
+    return plan
+
+
+def local(tensor):
+    """A DTensor's local tensor (the GPT's loss: replicated over the tp ranks), else tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def tensor_parallel(model, tp_mesh):
@@ -320,7 +391,12 @@ def evaluate(model, test_batches, mesh):
     model.eval()
     # Loss sum, correct, count on this group; each forward all-reduces in the tp group.
     dp_rank, dp = mesh.get_local_rank("dp"), mesh["dp"].size()
-    totals = training.evaluate(model, test_batches, dp_rank, dp)
+
+    def forward(inputs):  # the GPT's logits all-gathered whole: the evaluation's are plain
+        logits = model(inputs)
+        return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+    totals = training.evaluate(forward, test_batches, dp_rank, dp)
     dist.all_reduce(totals, group=mesh.get_group("dp"))
     for module in model.modules():  # no backward follows to free what these gathered
         if isinstance(module, FSDPModule):  # (the last block)

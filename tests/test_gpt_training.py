@@ -1,6 +1,7 @@
 """--model gpt, launched for real on the bundled Tiny Shakespeare: it learns under DDP, and DDP,
-FSDP and the pipeline follow one process's fp64 steps on it (the loss over every token's target,
-integer inputs through the batches, the stages and the gathers)."""
+FSDP, the pipeline (with replicas too) and TP (gpt_plan(), with FSDP over dp too) follow one
+process's fp64 steps on it (the loss over every token's target, integer inputs through the
+batches, the stages and the gathers)."""
 
 import math
 import re
@@ -71,19 +72,32 @@ def test_two_ddp_ranks_teach_the_gpt_the_text_in_twenty_steps(tmp_path):
     assert len(text) >= 240 and set(text[:240]) <= set(train_set.vocabulary), text
 
 
+PIPELINE = ["--schedule", "1f1b", "--microbatches", "2"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "script, ranks, flags",
+    "script, ranks, batch, flags",
     [
-        ("train_ddp.py", 2, []),
-        ("train_fsdp.py", 2, []),
-        ("train_pippy.py", 2, ["--schedule", "1f1b", "--microbatches", "2"]),
+        ("train_ddp.py", 2, GLOBAL_BATCH // 2, []),
+        ("train_fsdp.py", 2, GLOBAL_BATCH // 2, []),
+        # The pipeline keeps a replica's batch on each of its ranks; DDP and FSDP split it.
+        ("train_pippy.py", 2, GLOBAL_BATCH, PIPELINE),
+        ("train_pippy.py", 4, GLOBAL_BATCH // 2, [*PIPELINE, "--data-parallel", "2"]),
+        # TP's ranks share a batch: gpt_plan(), sequence parallelism and loss_parallel().
+        ("train_tp.py", 2, GLOBAL_BATCH, ["--tp", "2"]),
+        ("train_tp.py", 4, GLOBAL_BATCH // 2, ["--tp", "2"]),
     ],
-    ids=["ddp-2", "fsdp-2", "pipeline-2-stages"],
+    ids=[
+        "ddp-2",
+        "fsdp-2",
+        "pipeline-2-stages",
+        "pipeline-2-stages-x-2-replicas",
+        "tp-2",
+        "tp-2-x-dp-2",
+    ],
 )
-def test_the_gpt_trains_as_one_process_does_in_fp64(script, ranks, flags, tmp_path):
-    # The pipeline keeps the global batch on each of its ranks (one replica); DDP and FSDP split it.
-    batch = GLOBAL_BATCH if script == "train_pippy.py" else GLOBAL_BATCH // ranks
+def test_the_gpt_trains_as_one_process_does_in_fp64(script, ranks, batch, flags, tmp_path):
     paths = {name: tmp_path / f"{name}.pt" for name in ("one", "control", "run")}
     one = python("train_ddp.py", *EQUIVALENT, "--batch-size", GLOBAL_BATCH, "--save", paths["one"])
     # Negative control: one process at a rank's share of the batch, as a rank whose gradients
