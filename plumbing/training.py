@@ -16,6 +16,15 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse prints usage and error on every rank: one line, once
         raise UsageError(f"{message} (see --help)")
 
+    def parse_known_args(self, args=None, namespace=None):
+        """Twice: first for the flags whose values set others' defaults (``presets``: --model's),
+        then with those defaults; a flag given still wins over them."""
+        first, namespace = super().parse_known_args(args)[0], namespace or argparse.Namespace()
+        for flag, defaults in self.presets.items():
+            for dest, value in defaults.get(getattr(first, flag), {}).items():
+                setattr(namespace, dest, value)  # argparse keeps it unless the flag is given
+        return super().parse_known_args(args, namespace)
+
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):  # "(default: X)" only where X says something, once
@@ -116,8 +125,9 @@ def parser(description, *more):
     add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")
     add("--log-dir", metavar="DIR", help="rank 0 appends a row per logging step to metrics.csv")
     add("--profile-steps", metavar="A:B", type=step_range, help="a trace of steps A to B per rank")
+    p.presets = {}  # {flag's dest: {its value: {dest: default}}}, from ``more``
     for add_more in more:
-        add_more(p)
+        p.presets.update(add_more(p) or {})
     return p
 
 
