@@ -48,7 +48,7 @@ def test_the_dry_run_lists_every_step_and_every_command_parses(tmp_path):
         for argv in commands
         if "--metrics" in argv
     )  # every run on the GPU
-    # The table: a row for each step, the transformer rung's run (--model gpt-gpu), what needs 2 GPUs.
+    # The table: a row for each step, the transformer rung's (--model gpt-gpu), what needs 2 GPUs.
     table = (tmp_path / "summary.md").read_text()
     assert "A dry run: nothing ran" in table
     assert f"{len(commands)} commands checked, 0 problem" in table
