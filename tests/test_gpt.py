@@ -109,25 +109,20 @@ def test_model_sets_its_recipes_defaults_and_a_flag_given_wins():
     parse = training.parser("", data.add_arguments).parse_args
     cnn, gpt = parse([]), parse(["--model", "gpt"])
     assert vars(cnn) == vars(parse(["--model", "cnn"]))  # BabyCNN's quick start: the shared ones
-    assert (cnn.batch_size, cnn.max_steps, cnn.warmup_steps, cnn.lr, cnn.epochs) == (
-        64,
-        0,
-        None,
-        None,
-        2,
-    )
-    assert (gpt.batch_size, gpt.max_steps, gpt.warmup_steps, gpt.lr, gpt.epochs) == (
-        16,
-        900,
-        30,
-        None,
-        2,
-    )
+
+    def plan(args):
+        return args.batch_size, args.max_steps, args.warmup_steps, args.lr, args.epochs
+
+    assert plan(cnn) == (64, 0, None, None, 2) and plan(gpt) == (16, 900, None, None, 2)
     for flags in (["--batch-size", "8", "--model", "gpt"], ["--model", "gpt", "--batch-size", "8"]):
         assert parse(flags).batch_size == 8  # before --model or after it
     gpu = parse(["--model", "gpt-gpu", "--max-steps", "1000"])
     recipe = (gpu.batch_size, gpu.lr, gpu.weight_decay, gpu.max_grad_norm, gpu.warmup_steps)
-    assert recipe == (64, 1e-3, 0.1, 1.0, 100) and (gpu.max_steps, gpu.epochs) == (1000, 100)
+    assert recipe == (64, 1e-3, 0.1, 1.0, None) and (gpu.max_steps, gpu.epochs) == (1000, 100)
+    # The warmup is the shared rule's: 100 steps for these runs (nanoGPT's), a fifth of a short one
+    short = parse(["--model", "gpt", "--max-steps", "20"])
+    runs = ((gpt, 32, 900), (gpu, 64, 5000), (short, 32, 20))
+    assert [training.peak_and_warmup(*run)[1] for run in runs] == [100, 100, 4]
 
 
 def test_model_gpt_gpu_is_nanogpts_gpu_size_on_windows_of_its_context():

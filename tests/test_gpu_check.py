@@ -62,7 +62,7 @@ def test_the_dry_run_lists_every_step_and_every_command_parses(tmp_path):
     # starts (a warmup of at most half the run).
     (gpt,) = [argv for argv in commands if argv[1:4] == ["train_ddp.py", "--model", "gpt-gpu"]]
     args = training.parser("", data.add_arguments).parse_args(gpt[2:])
-    recipe = (args.batch_size, args.lr, args.weight_decay, args.max_grad_norm, args.warmup_steps)
+    recipe = (args.batch_size, args.lr, args.weight_decay, args.max_grad_norm, args.epochs)
     assert recipe == (64, 1e-3, 0.1, 1.0, 100) and args.precision == "bf16", vars(args)
     assert args.max_steps == gpu_check.GPT_STEPS == 1000, vars(args)
     assert training.peak_and_warmup(args, args.batch_size, args.max_steps) == (1e-3, 100)
