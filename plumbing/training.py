@@ -16,13 +16,10 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse prints usage and error on every rank: one line, once
         raise UsageError(f"{message} (see --help)")
 
-    def parse_known_args(self, args=None, namespace=None):
-        """Twice: first for the flags whose values set others' defaults (``presets``: --model's),
-        then with those defaults; a flag given still wins over them."""
+    def parse_known_args(self, args=None, namespace=None):  # twice: then with --model's defaults
         first, namespace = super().parse_known_args(args)[0], namespace or argparse.Namespace()
-        for flag, defaults in self.presets.items():
-            for dest, value in defaults.get(getattr(first, flag), {}).items():
-                setattr(namespace, dest, value)  # argparse keeps it unless the flag is given
+        for flag, defaults in self.presets.items():  # {dest: {value: {dest: default}}}
+            vars(namespace).update(defaults.get(getattr(first, flag), {}))  # a flag given wins
         return super().parse_known_args(args, namespace)
 
 
@@ -125,7 +122,7 @@ def parser(description, *more):
     add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")
     add("--log-dir", metavar="DIR", help="rank 0 appends a row per logging step to metrics.csv")
     add("--profile-steps", metavar="A:B", type=step_range, help="a trace of steps A to B per rank")
-    p.presets = {}  # {flag's dest: {its value: {dest: default}}}, from ``more``
+    p.presets = {}  # the defaults a flag's value sets, which each of ``more`` may return
     for add_more in more:
         p.presets.update(add_more(p) or {})
     return p
