@@ -131,6 +131,10 @@ result = {
         "after": round(os.getloadavg()[0], 2),
     },
     "cores": os.cpu_count(),
+    "commit": subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip(),
+    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     "torch": version("torch"),
     "wrote_text": any("the trained GPT writes" in line for line in lines),
     "evaluations": evaluations,
