@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable  # gpu_check.sh's $PYTHON: the one with torch
 NANOGPT_LOSS = 1.4697  # nanoGPT's char-level Shakespeare, 6 layers x 384 wide: validation loss
+GPT_STEPS = 1000  # of nanoGPT's 5,000 (its cosine over these): what fits the gpt step's budget
 SPEED_STEPS = 600  # per speed run: compare.py's GPU runs take 1000, which would not fit 9 minutes
 MARGIN = 4  # seconds a step keeps back from its budget to kill what runs and write its rows
 NEEDS_TWO = [  # (what, what it needs, why one GPU cannot run it)
@@ -474,45 +475,49 @@ def step_speed(step):
 
 
 def step_gpt(step):
-    """The transformer rung (issue 43) against nanoGPT's validation loss, once a script has it."""
+    """The transformer rung (issue 43) at nanoGPT's GPU size against its validation loss: the
+    recipe of --model gpt-gpu (6 layers, 6 heads, 384 wide, context 256, dropout 0.2; batch 64, lr
+    1e-3, 100 warmup steps, clipped at 1), shortened to GPT_STEPS of its 5,000 steps."""
     check = (
-        f"the scripts' GPT (nanoGPT's CPU size), beside nanoGPT's {NANOGPT_LOSS} at its GPU size"
+        f"--model gpt-gpu (nanoGPT's size and recipe), shortened to {GPT_STEPS:,} of its 5,000 "
+        f"steps, beside nanoGPT's {NANOGPT_LOSS} after 5,000"
     )
     helped = step.run("gpt-help", check, [PYTHON, "train_ddp.py", "--help"], always=True)
     if step.failed(helped):
         return
-    if not re.search(r"--model \{[^}]*\bgpt\b", helped.output):  # argparse's --model {cnn,gpt}
+    if not re.search(r"--model \{[^}]*\bgpt-gpu\b", helped.output):  # --model {cnn,gpt,gpt-gpu}
         step.row(
             check,
             show(helped.argv, step.out),
-            "not run: no transformer rung in this commit (issue 43)",
-            "train_ddp.py --help has no --model gpt",
+            "not run: no GPT at nanoGPT's size in this commit (issue 43)",
+            "train_ddp.py --help has no --model gpt-gpu",
         )
         return
     metrics = step.out / "runs" / "gpt.json"
-    # Shortened: nanoGPT trains 5,000 iterations, minutes more than this check has.
     argv = [
         PYTHON,
         "train_ddp.py",
         "--model",
-        "gpt",
+        "gpt-gpu",
         "--device",
         "cuda",
         "--precision",
         "bf16",
         "--max-steps",
-        "300",
+        GPT_STEPS,
         "--metrics",
         metrics,
     ]
-    launch = step.run("gpt", f"{check}, shortened to 300 steps", argv)
+    launch = step.run("gpt", check, argv)
     if not step.failed(launch):
-        loss = metrics_of(metrics)["test_loss"]
+        m = metrics_of(metrics)
         step.row(
             launch.check,
             show(argv, step.out),
             "ok",
-            f"validation loss {loss:.4f} after 300 steps ({NANOGPT_LOSS} after 5,000)",
+            f"validation loss {m['test_loss']:.4f} after {GPT_STEPS:,} steps (nanoGPT: "
+            f"{NANOGPT_LOSS} after 5,000); {m['train_seconds']:.1f} s of training, "
+            f"{1000 * m['train_seconds'] / GPT_STEPS:.1f} ms a step",
             launch.seconds,
         )
 

@@ -8,12 +8,12 @@
 # and reads only the bundled data (models/mnist/): no network. Steps, in order of value, each under
 # its own timeout (seconds), so that a hang in one leaves the others' results:
 #   env     15   torch, CUDA, the GPU, the commit, the date (no GPU: one error line, exit code 2)
-#   pytest 160   python -m pytest tests/test_gpu.py
+#   pytest 150   python -m pytest tests/test_gpu.py
 #   quick   90   each script's quick start through its run_*.sh, one process (NCCL, one rank)
-#   speed  120   train_ddp.py eager and --compile against the bare loop, batch 64 and 512
-#   gpt     40   the transformer rung against nanoGPT's 1.4697, where the scripts have it
-#   bf16    50   train_ddp.py in bf16 against fp32 on MNIST: samples/s, loss, accuracy
-#   resume  50   SIGTERM mid-run through the launcher, the same command again, weights compared
+#   speed  115   train_ddp.py eager and --compile against the bare loop, batch 64 and 512
+#   gpt     65   --model gpt-gpu, nanoGPT's size and recipe, 1,000 of 5,000 steps, against 1.4697
+#   bf16    45   train_ddp.py in bf16 against fp32 on MNIST: samples/s, loss, accuracy
+#   resume  45   SIGTERM mid-run through the launcher, the same command again, weights compared
 # PYTHON: the interpreter that has torch (default python3, as launch.sh runs). Exit code: 0 when
 # every step ran and passed, 1 when one failed or timed out (summary.md says which), 2 when the
 # check cannot start. In a dry run: 1 when a command would not start (each is named).
@@ -35,7 +35,7 @@ mkdir -p "$1" || exit 2
 out="$(cd "$1" && pwd)"
 
 # name:seconds. The budgets sum to 525 s; with each step's start and the summary, under 9 minutes.
-steps=(env:15 pytest:160 quick:90 speed:120 gpt:40 bf16:50 resume:50)
+steps=(env:15 pytest:150 quick:90 speed:115 gpt:65 bf16:45 resume:45)
 total=530  # no step starts past this, a late one gets what is left: with kill-after, under 540
 # A rerun into the same directory starts afresh: an old checkpoint would make step 6 resume at once.
 rm -rf "$out/runs" "$out/logs" "$out"/{steps.tsv,machine.json,verify.json,pytest.xml,summary.*}

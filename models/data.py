@@ -16,7 +16,8 @@ of digit glyphs drawn from a small built-in bitmap font, for tests. ``find`` loo
 them and reads them.
 
 ``shakespeare``: the text in models/tinyshakespeare/, for the GPT (models/gpt.py), as windows of
-characters (models/shakespeare.py): --dataset's default with --model gpt, the GPT's only data.
+characters (models/shakespeare.py): --dataset's default with --model gpt or gpt-gpu, the GPT's only
+data, in windows of its context.
 """
 
 import argparse
@@ -33,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
+
+from models.gpt import SIZES as GPT_SIZES
 
 NUM_CLASSES = 10  # every one of them: ten digits, ten garments, ten CIFAR classes
 BUNDLED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mnist")  # --dataset auto
@@ -52,15 +55,38 @@ class DataError(Exception):
     """A dataset problem the user can fix; the message is one line that says how."""
 
 
-def add_arguments(
-    parser,
-):  # the bundled model's and data's flags: a copy with its own leaves them out
+# The defaults --model sets, each GPT's training recipe (a flag given wins); --model cnn keeps the
+# shared parser's. The warmup is the shared rule's: 100 steps, or a fifth of a short run. gpt: a
+# validation loss of 1.82 on 2 CPU processes (benchmarks/gpt_time_to_loss.py); gpt-gpu: nanoGPT's
+# recipe for its GPU size (config/train_shakespeare_char.py), on one GPU.
+RECIPES = {
+    "gpt": {"batch_size": 16, "max_steps": 900},
+    "gpt-gpu": {
+        "batch_size": 64,
+        "lr": 1e-3,
+        "weight_decay": 0.1,
+        "max_grad_norm": 1.0,
+        "max_steps": 5000,
+        "epochs": 100,  # 5,000 steps of 64 windows of 256 characters: 82 passes over the text
+    },
+}
+
+
+def add_arguments(parser):
+    """The bundled model's and data's flags (a copy with its own leaves them out); returns the
+    defaults --model's value sets (``training.parser`` applies them)."""
     add = parser.add_argument
+    recipes = "; ".join(
+        f"{model}: " + " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in flags.items())
+        for model, flags in RECIPES.items()
+    )
     add(
         "--model",
-        choices=("cnn", "gpt"),
+        choices=("cnn", *GPT_SIZES),
         default="cnn",
-        help="cnn: BabyCNN on images; gpt: the character-level GPT on Tiny Shakespeare",
+        help="cnn: BabyCNN on images; gpt: the character-level GPT on Tiny Shakespeare at "
+        "nanoGPT's CPU size (0.82 M parameters), gpt-gpu at its GPU size (10.8 M); each GPT sets "
+        f"its recipe's defaults ({recipes})",
     )
     add(
         "--width",
@@ -72,20 +98,20 @@ def add_arguments(
         "--dataset",
         choices=("auto", "synthetic", *_TORCHVISION, "shakespeare"),
         help="auto (the default with --model cnn): the MNIST files in models/mnist/, no network; "
-        "mnist: a copy in --data-dir; synthetic: for tests; shakespeare (the default with --model "
-        "gpt): the text in models/tinyshakespeare/",
+        "mnist: a copy in --data-dir; synthetic: for tests; shakespeare (the default with a GPT): "
+        "the text in models/tinyshakespeare/",
     )
     add(
         "--data-dir",
         help="where mnist, fashion-mnist and cifar10 are read from and downloaded to (default: "
-        "./data); "
-        "not with --dataset auto",
+        "./data); not with --dataset auto",
     )
     add(
         "--no-download",
         action="store_true",
         help="never use the network; use only files already in --data-dir",
     )
+    return {"model": RECIPES}
 
 
 def find(name, data_dir, download=True, model=None):
@@ -93,12 +119,13 @@ def find(name, data_dir, download=True, model=None):
     there (downloaded first, when missing and allowed), or what is wrong with them. Call it before
     the process group exists: a download may outlast any collective's timeout. The processes sharing
     a ``data_dir`` take turns (a file lock), so one downloads and the others then find the files.
-    ``model`` (--model's): ``name`` None is its own data (auto for cnn, shakespeare for gpt), and
-    another model's is refused."""
+    ``model`` (--model's): ``name`` None is its own data (auto for cnn, shakespeare for a GPT),
+    and another model's is refused; a GPT's sets the windows' length, its context."""
+    gpt = model in GPT_SIZES
     if name is None:
-        name = "shakespeare" if model == "gpt" else "auto"
-    elif model is not None and (name == "shakespeare") != (model == "gpt"):  # no such pairing
-        wanted = "--dataset shakespeare (its default)" if model == "gpt" else "an image dataset"
+        name = "shakespeare" if gpt else "auto"
+    elif model is not None and (name == "shakespeare") != gpt:  # no such pairing
+        wanted = "--dataset shakespeare (its default)" if gpt else "an image dataset"
         raise DataError(f"--model {model} trains on {wanted}, not --dataset {name}")
     if (
         name == "auto" and data_dir is not None
@@ -109,7 +136,7 @@ def find(name, data_dir, download=True, model=None):
             f"{BUNDLED}: add --dataset mnist to train on the MNIST files in {data_dir}"
         )
     if name == "shakespeare":  # the text in models/tinyshakespeare/: checked here, never downloaded
-        return _find_text(data_dir)
+        return _find_text(data_dir, GPT_SIZES[model if gpt else "gpt"]["block_size"])
     data_dir = (
         BUNDLED if name == "auto" else data_dir or "./data"
     )  # auto: the copy that ships with the project
@@ -166,7 +193,8 @@ def load(found, device, dtype=torch.float32, workers=0, log=print, block_size=No
     the node that lacks the files. Returns its name and the training and test splits as
     TensorDatasets of ``dtype`` images on ``device`` (in CPU memory for ``workers``: a DataLoader's
     worker processes cannot read CUDA tensors). ``log`` speaks for rank 0."""
-    # shakespeare: windows of block_size characters (default 64) and their targets, as int64 ids
+    # shakespeare: windows of block_size characters (default: find's, the GPT's context) and
+    # their targets, as int64 ids
     answers = [None] * dist.get_world_size()
     dist.all_gather_object(answers, {k: v for k, v in found.items() if k != "splits"})
     resolved = _agree(found["name"], answers, log)
@@ -174,7 +202,7 @@ def load(found, device, dtype=torch.float32, workers=0, log=print, block_size=No
         from models import shakespeare  # here, not above: it imports this module
 
         device = torch.device("cpu") if workers else device
-        block_size = block_size or shakespeare.BLOCK_SIZE
+        block_size = block_size or found["block_size"]
         return resolved, *shakespeare.datasets(found["splits"], device, block_size)
     if resolved == "synthetic":
         (train_x, train_y), (test_x, test_y) = (
@@ -197,8 +225,9 @@ def load(found, device, dtype=torch.float32, workers=0, log=print, block_size=No
     return resolved, *splits
 
 
-def _find_text(data_dir):
-    """``find`` for Tiny Shakespeare: the text read and checked now, its vocabulary and splits."""
+def _find_text(data_dir, block_size):
+    """``find`` for Tiny Shakespeare: the text read and checked now, its vocabulary and splits, and
+    the windows' length."""
     from models import shakespeare  # here, not above: it imports this module
 
     if data_dir is not None:  # never read: say so, rather than train on other text than asked
@@ -212,6 +241,7 @@ def _find_text(data_dir):
         "missing": None,
         "broken": None,
         "node": f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})",
+        "block_size": block_size,
     }
     try:
         found["splits"] = shakespeare.split(shakespeare.read())

@@ -33,6 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# --model's GPTs: nanoGPT's two sizes for Tiny Shakespeare (65 characters), untied. gpt, its CPU
+# recipe's: 818,176 parameters; gpt-gpu, its GPU recipe's (config/train_shakespeare_char.py):
+# 10,795,776.
+SIZES = {
+    "gpt": {"block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128, "dropout": 0.0},
+    "gpt-gpu": {"block_size": 256, "n_layer": 6, "n_head": 6, "n_embd": 384, "dropout": 0.2},
+}
+
 
 class Embed(nn.Module):
     """Token plus position embeddings, then dropout: ids (B, T) -> (B, T, n_embd)."""

@@ -81,6 +81,7 @@ class CharWindows(TensorDataset):
         self.tensors = (ids,)  # not TensorDataset's __init__, which wants a sample a row
         self.block_size, self.stride = block_size, stride or block_size
         self.vocabulary, self.vocab_size = vocabulary, len(vocabulary)
+        self.gpt = {"vocab_size": self.vocab_size, "block_size": block_size}  # models.build's
         self.offsets = torch.arange(block_size + 1, device=ids.device)
 
     def __len__(self):
@@ -105,7 +106,7 @@ class CharWindows(TensorDataset):
         gather leaves without)."""
         if not state_dict:
             return None
-        model = GPT(self.vocab_size, self.block_size)  # models.build's GPT
+        model = GPT(**self.gpt)  # models.build's GPT
         model.load_state_dict({name: tensor.float().cpu() for name, tensor in state_dict.items()})
         start = self.encode("\n").unsqueeze(0)
         ids = generate(model, start, characters, generator=torch.Generator().manual_seed(seed))

@@ -16,6 +16,12 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse prints usage and error on every rank: one line, once
         raise UsageError(f"{message} (see --help)")
 
+    def parse_known_args(self, args=None, namespace=None):  # twice: then with --model's defaults
+        first, namespace = super().parse_known_args(args)[0], namespace or argparse.Namespace()
+        for flag, defaults in self.presets.items():  # {dest: {value: {dest: default}}}
+            vars(namespace).update(defaults.get(getattr(first, flag), {}))  # a flag given wins
+        return super().parse_known_args(args, namespace)
+
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):  # "(default: X)" only where X says something, once
@@ -116,8 +122,9 @@ def parser(description, *more):
     add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")
     add("--log-dir", metavar="DIR", help="rank 0 appends a row per logging step to metrics.csv")
     add("--profile-steps", metavar="A:B", type=step_range, help="a trace of steps A to B per rank")
+    p.presets = {}  # the defaults a flag's value sets, which each of ``more`` may return
     for add_more in more:
-        add_more(p)
+        p.presets.update(add_more(p) or {})
     return p
 
 

@@ -280,3 +280,38 @@ def test_watch_overhead_reports_both_runs_and_the_host_cost_and_the_plot_reads_t
     assert plot.returncode == 0 and (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG", (
         plot.output
     )
+
+
+@pytest.mark.slow
+@pytest.mark.pages
+def test_gpt_time_to_loss_times_the_launch_to_each_evaluation(tmp_path):
+    # 20 steps through the launcher on 2 processes: one evaluation, at the end. The control: the
+    # untrained GPT's loss is ln(65) = 4.17; a target of 4.0 is reached (and timed) only if it
+    # learned, and 1.9 is not reached in 20 steps.
+    flags = ["--", "--max-steps", "20", "--warmup-steps", "2", "--log-every", "10"]
+    results = {}
+    for target in (4.0, 1.9):
+        out = tmp_path / f"{target}.json"
+        command = [sys.executable, ROOT / "benchmarks" / "gpt_time_to_loss.py", "--out", out]
+        run = Run([*command, "--target", target, *flags]).wait(timeout=600)
+        assert run.returncode == 0, run.output[-3000:]
+        assert f"wrote {out}" in run.output
+        results[target] = json.loads(out.read_text())
+    reached, missed = results[4.0], results[1.9]
+    assert reached["command"].endswith(
+        "bash run_ddp.sh --model gpt --max-steps 20 --warmup-steps 2 --log-every 10"
+    )
+    start = reached["start"]
+    assert "2 rank(s)" in start["line"] and "shakespeare; 20 steps" in start["line"]
+    (point,) = reached["evaluations"]
+    assert point["step"] == 20 and 2.0 < point["val_loss"] < 4.0 < math.log(65)
+    assert reached["reached"] and reached["wall_seconds_to_target"] == point["wall_seconds"]
+    assert 0 < start["wall_seconds"] < point["wall_seconds"] <= reached["wall_seconds"]
+    assert 0 < start["cpu_seconds_busiest_process"] < point["cpu_seconds_busiest_process"]
+    busiest, everyone = point["cpu_seconds_busiest_process"], point["cpu_seconds_all"]
+    assert 0 < busiest < everyone <= reached["cpu_seconds_all"]  # 2 ranks, torchrun, the shell
+    assert reached["cpu_seconds_to_target_busiest_process"] == busiest
+    assert not missed["reached"] and missed["wall_seconds_to_target"] is None
+    assert missed["final_val_loss"] > 1.9 and reached["wrote_text"] and missed["wrote_text"]
+    loads = reached["load_average_1min"]
+    assert all(math.isfinite(v) and v >= 0 for v in loads.values()) and reached["cores"] >= 1

@@ -2,6 +2,7 @@
 windows), the model (shapes, causality, its loss at init, that it learns, that blocks cut anywhere
 are the whole model, that the pipeline's start-up check takes it), and evaluation over targets."""
 
+import argparse
 import gzip
 import math
 import re
@@ -102,6 +103,46 @@ def test_find_and_load_serve_the_text_to_the_scripts():
     assert batches.loader is None  # gathered on the device, no DataLoader
     inputs, targets = next(batches(list(range(8))))
     assert inputs.shape == targets.shape == (8, 32) and inputs.dtype == torch.int64
+
+
+def test_model_sets_its_recipes_defaults_and_a_flag_given_wins():
+    parse = training.parser("", data.add_arguments).parse_args
+    cnn, gpt = parse([]), parse(["--model", "gpt"])
+    assert vars(cnn) == vars(parse(["--model", "cnn"]))  # BabyCNN's quick start: the shared ones
+
+    def plan(args):
+        return args.batch_size, args.max_steps, args.warmup_steps, args.lr, args.epochs
+
+    assert plan(cnn) == (64, 0, None, None, 2) and plan(gpt) == (16, 900, None, None, 2)
+    for flags in (["--batch-size", "8", "--model", "gpt"], ["--model", "gpt", "--batch-size", "8"]):
+        assert parse(flags).batch_size == 8  # before --model or after it
+    gpu = parse(["--model", "gpt-gpu", "--max-steps", "1000"])
+    recipe = (gpu.batch_size, gpu.lr, gpu.weight_decay, gpu.max_grad_norm, gpu.warmup_steps)
+    assert recipe == (64, 1e-3, 0.1, 1.0, None) and (gpu.max_steps, gpu.epochs) == (1000, 100)
+    # The warmup is the shared rule's: 100 steps for these runs (nanoGPT's), a fifth of a short one
+    short = parse(["--model", "gpt", "--max-steps", "20"])
+    runs = ((gpt, 32, 900), (gpu, 64, 5000), (short, 32, 20))
+    assert [training.peak_and_warmup(*run)[1] for run in runs] == [100, 100, 4]
+
+
+def test_model_gpt_gpu_is_nanogpts_gpu_size_on_windows_of_its_context():
+    import models
+
+    found = data.find(None, None, model="gpt-gpu")
+    assert found["block_size"] == 256 and data.find(None, None, model="gpt")["block_size"] == 64
+    train, _ = shakespeare.datasets(found["splits"], torch.device("cpu"), found["block_size"])
+    torch.manual_seed(0)
+    model = models.build(argparse.Namespace(model="gpt-gpu"), train)
+    assert sum(p.numel() for p in model.parameters()) == 10_795_776  # nanoGPT's 10.7 M, untied
+    assert model.config == {
+        "vocab_size": 65,
+        "block_size": 256,
+        "n_layer": 6,
+        "n_head": 6,
+        "n_embd": 384,
+        "dropout": 0.2,
+    }
+    assert train.gpt == model.config  # what write() rebuilds to sample from the trained weights
 
 
 def test_the_gpt_maps_ids_to_logits_causally_from_the_seed():

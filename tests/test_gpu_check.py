@@ -13,6 +13,9 @@ from conftest import ROOT, Run, child_env
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check
 
+from models import data
+from plumbing import training
+
 STEPS = ["env", "pytest", "quick", "speed", "gpt", "bf16", "resume"]
 
 
@@ -45,13 +48,25 @@ def test_the_dry_run_lists_every_step_and_every_command_parses(tmp_path):
         for argv in commands
         if "--metrics" in argv
     )  # every run on the GPU
-    # The table: a row for each step, the transformer rung's run (--model gpt), what needs 2 GPUs.
+    # The table: a row for each step, the transformer rung's (--model gpt-gpu), what needs 2 GPUs.
     table = (tmp_path / "summary.md").read_text()
     assert "A dry run: nothing ran" in table
     assert f"{len(commands)} commands checked, 0 problem" in table
     for title in gpu_check.TITLES.values():
         assert f"| {title} |" in table, title
-    assert "no transformer rung" not in table and "`python3 train_ddp.py --model gpt " in table
+    assert (
+        "no GPT at nanoGPT's size" not in table
+        and "`python3 train_ddp.py --model gpt-gpu " in table
+    )
+    # The transformer rung's command parses to nanoGPT's size and recipe, shortened, and its plan
+    # starts (a warmup of at most half the run).
+    (gpt,) = [argv for argv in commands if argv[1:4] == ["train_ddp.py", "--model", "gpt-gpu"]]
+    args = training.parser("", data.add_arguments).parse_args(gpt[2:])
+    recipe = (args.batch_size, args.lr, args.weight_decay, args.max_grad_norm, args.epochs)
+    assert recipe == (64, 1e-3, 0.1, 1.0, 100) and args.precision == "bf16", vars(args)
+    assert args.max_steps == gpu_check.GPT_STEPS == 1000, vars(args)
+    assert training.peak_and_warmup(args, args.batch_size, args.max_steps) == (1e-3, 100)
+    assert f"shortened to {gpu_check.GPT_STEPS:,} of its 5,000 steps" in table
     assert table.count("| not run: needs 2+ GPUs |") >= 5
     assert "| failed |" not in table and "timed out" not in table, table
     assert f"dry run: {len(commands)} commands checked, 0 problem(s)" in run.output
@@ -74,7 +89,7 @@ def test_a_copy_whose_scripts_changed_fails_the_dry_run_or_runs_less(tmp_path):
         (copy / path.relative_to(ROOT)).parent.mkdir(exist_ok=True)
         shutil.copy2(path, copy / path.relative_to(ROOT))
     edit(copy / "plumbing" / "training.py", 'add("--no-eval"', 'add("--skip-eval"')
-    edit(copy / "models" / "data.py", 'choices=("cnn", "gpt")', 'choices=("cnn",)')
+    edit(copy / "models" / "data.py", 'choices=("cnn", *GPT_SIZES)', 'choices=("cnn",)')
     run = dry_run(copy, tmp_path / "out")
     assert run.returncode == 1, run.output[-3000:]
     assert "train_ddp.py has no flag --no-eval" in run.output, run.output[-3000:]
@@ -82,7 +97,7 @@ def test_a_copy_whose_scripts_changed_fails_the_dry_run_or_runs_less(tmp_path):
     assert problems and all("has no flag --no-eval" in p for p in problems), problems
     table = (tmp_path / "out" / "summary.md").read_text()
     assert f"{len(problems)} problem(s)" in table
-    assert "| not run: no transformer rung in this commit (issue 43) |" in table
+    assert "| not run: no GPT at nanoGPT's size in this commit (issue 43) |" in table
 
 
 def edit(path, old, new):

@@ -33,9 +33,10 @@ SCRIPTS = ["train_ddp.py", "train_fsdp.py", "train_pippy.py"]
 # What a copy reads besides the script, its model and its data, and the script itself, formatted by
 # `ruff format --line-length 100`: 1,486 lines for a DDP copy after issue 41 cut plumbing/ by
 # concern (1,725 before) and issue 43 added --model and the GPT's text, 1,426 once checkpoints.py
-# and failures.py carried less; issue 41 asks for at most 1,150 (DDP) and 1,300 (the others).
+# and failures.py carried less, 1,433 with the defaults --model sets (the GPT's recipes:
+# training.parser parses twice); issue 41 asks for at most 1,150 (DDP) and 1,300 (the others).
 # Held here so that it does not grow back.
-MAX_FORMATTED = {"train_ddp.py": 1426, "train_fsdp.py": 1534, "train_pippy.py": 1731}
+MAX_FORMATTED = {"train_ddp.py": 1433, "train_fsdp.py": 1541, "train_pippy.py": 1738}
 # Collective calls outside the scripts: 7 since issue 42, whose --init-from broadcasts (behind a
 # call marked collective) and whose plumbing/consolidate.py calls dcp.load without a process group
 # (no collective there); 9 since issue 41 put what the four scripts repeated in one place: the
