@@ -218,7 +218,7 @@ def make_mesh(args, device, world_size):
 
 def check_flags(args, world_size):
     """Refuse TP's flags that cannot work together, before anything is built."""
-    if args.model == "gpt" and world_size % args.tp:  # gpt_plan() checks the heads
+    if args.model != "cnn" and world_size % args.tp:  # gpt_plan() checks the heads
         raise failures.UsageError(f"--tp {args.tp} must divide the world size {world_size}")
     if args.model == "cnn" and (world_size % args.tp or args.width * 8 % args.tp):
         raise failures.UsageError(
@@ -242,7 +242,7 @@ def parallelize(model, args, mesh):
         mp_policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
         )
-    if args.model == "gpt":  # a plan keyed by module names: the form to copy
+    if args.model != "cnn":  # a GPT: a plan keyed by module names, the form to copy
         parallelize_module(model, mesh["tp"], gpt_plan(model.config, args.tp))
     else:  # BabyCNN's split, written out: what a plan's styles do inside
         tensor_parallel(model, mesh["tp"])
