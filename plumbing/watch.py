@@ -217,7 +217,12 @@ def flops_per_sample(model, inputs):
     """
     model.eval()
     with FlopCounterMode(display=False) as counter:
-        model(inputs).sum().backward()
+        if not torch.is_tensor(logits := model(inputs)) or logits.dim() < 2:  # the loss's input
+            raise UsageError(
+                f"your model's forward returned {type(logits).__name__}, not one tensor of logits "
+                "(..., classes): return only the logits (a Hugging Face model's output.logits)"
+            )
+        logits.sum().backward()
     model.train()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops()
