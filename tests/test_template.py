@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+import user_transformers
 from conftest import (
     CONTROL_FLOOR,
     ROOT,
@@ -333,24 +334,59 @@ class MoreThanBlocks(Blocks):
         return torch.relu(self.blocks(x))
 
 
+TOKENS = torch.randint(0, user_transformers.VOCAB, (1, user_transformers.LENGTH))
+
+
 @pytest.mark.parametrize(
-    "model_class, error",
+    "model_class, sample, error",
     [
-        (NoBlocks, "train_pippy.py cuts model.blocks into stages: give your model a blocks"),
-        (MoreThanBlocks, "but your model's forward does more than run its blocks in order"),
+        (NoBlocks, torch.randn(1, 2), "cuts model.blocks into stages: give your model a blocks"),
+        (
+            MoreThanBlocks,
+            torch.randn(1, 2),
+            "but your model's forward does more than run its blocks",
+        ),
+        # its blocks fail alone on tokens (this took a traceback of 45 lines, 124 under torchrun)
+        (user_transformers.EmbedOutside, TOKENS, "does more than run its blocks in order"),
     ],
 )
-def test_a_pipeline_copy_refuses_a_model_it_cannot_cut_into_stages(model_class, error):
+def test_a_pipeline_copy_refuses_a_model_it_cannot_cut_into_stages(model_class, sample, error):
     """train_pippy.py cuts model.blocks into stages, so a copy's model must have blocks and run only
     them: a model that does not is refused with a UsageError (one line, exit 2), before it trains
     another model than one process would. The control: the same model with its forward only the
     blocks is cut."""
     from train_pippy import block_flops
 
-    sample = torch.randn(1, 2)
     with pytest.raises(failures.UsageError, match=error):
         block_flops(model_class(), sample)
-    assert block_flops(Blocks(), sample) == [2 * 2 * 4]  # one Linear: 2 FLOPs a multiply-accumulate
+    # one Linear: 2 FLOPs a multiply-accumulate
+    assert block_flops(Blocks(), torch.randn(1, 2)) == [2 * 2 * 4]
+
+
+def test_the_pipeline_counts_a_stock_transformer_layers_flops():
+    """A stock nn.TransformerEncoderLayer in eval mode under no_grad takes a fused path that
+    FlopCounterMode does not see: its layers counted 0 FLOPs, and 2 stages were cut [[0], [1, ...]],
+    all the work on one. Counted with grad, 4 equal layers are cut 2 and 2; the model trains on."""
+    from train_pippy import balanced_stages, block_flops
+
+    model = user_transformers.Encoder()  # embedding, 4 layers, mean, head
+    costs = block_flops(model, TOKENS)
+    assert costs[1] > 0 and costs[1:5] == [costs[1]] * 4 and costs[6] < costs[1], costs
+    assert balanced_stages(costs, 2) == [[0, 1, 2], [3, 4, 5, 6]] and model.training
+
+
+@pytest.mark.slow  # two launches
+def test_a_pipeline_copy_cuts_a_stock_transformer_encoder_where_its_flops_balance(tmp_path):
+    """The pipeline's copy with a user's stock nn.TransformerEncoder classifier: the blocks cut 2
+    layers to a stage (they were all on one), and it learns; with the embedding outside blocks, the
+    start-up check refuses it in one line (it was a traceback of 124 lines under torchrun)."""
+    project, launch = transformer_copy(tmp_path, "train_pippy.py")
+    outside, encoder = launch("EmbedOutside"), launch("Encoder", "--metrics", "encoder.json")
+    assert_one_line_error(outside.wait(), "does more than run its blocks in order: move that work")
+    succeeded(encoder)
+    assert "(1f1b, 2 stages: blocks [[0, 1, 2], [3, 4, 5, 6]], 8 microbatches)" in encoder.output
+    metrics = json.loads((project / "encoder.json").read_text())
+    assert metrics["steps"] == 128 and metrics["test_accuracy"] > 0.9, metrics  # chance: about 0.64
 
 
 def project_imports(path, seen=None):
