@@ -280,15 +280,15 @@ def test_a_copied_script_trains_another_model_on_other_data(tmp_path):
             training.parser("").parse_args(flags)
 
 
-def transformer_copy(home, script):
-    """The README's copy of ``script`` with tests/user_transformers.py as the user's file, and a
-    function that launches it (its launcher, 2 processes) with the model that NET names."""
-    project, _ = make_copy(home, [script])
+def transformer_copy(home, *scripts):
+    """The README's copy of ``scripts`` with tests/user_transformers.py as the user's file, and a
+    function that launches one (its launcher, 2 processes) with the model that NET names."""
+    project, _ = make_copy(home, scripts)
     shutil.copy(ROOT / "tests" / "user_transformers.py", project / "mymodel.py")
-    command = [arg.replace("train_ddp.py", script) for arg in copy_command()[:3]]
 
-    def launch(net, *flags):
+    def launch(script, net, *flags):
         env = launcher_env(NPROC_PER_NODE=2, PYTHONPATH=project, NET=net)
+        command = [arg.replace("train_ddp.py", script) for arg in copy_command()[:3]]
         return Run([*command, *flags], env=env, cwd=project)
 
     return project, launch
@@ -302,7 +302,8 @@ def test_a_copy_refuses_a_model_output_the_loss_cannot_take_before_the_first_ste
     one line (exit 2) before the start line, saying what to return; returning the logits alone, as
     the README's recipe says, trains: 2 epochs of 32 steps to a test accuracy above 90 %."""
     project, launch = transformer_copy(tmp_path, "train_ddp.py")
-    runs = {net: launch(net, "--metrics", f"{net}.json") for net in ("Bert", "Tuple", "Logits")}
+    nets = ("Bert", "Tuple", "Logits")
+    runs = {net: launch("train_ddp.py", net, "--metrics", f"{net}.json") for net in nets}
     for net, returned in (("Bert", "Output"), ("Tuple", "tuple")):
         run = runs[net].wait()
         assert_one_line_error(
@@ -312,6 +313,41 @@ def test_a_copy_refuses_a_model_output_the_loss_cannot_take_before_the_first_ste
     succeeded(runs["Logits"])
     metrics = json.loads((project / "Logits.json").read_text())
     assert metrics["steps"] == 64 and metrics["test_accuracy"] > 0.9, metrics  # chance: about 0.64
+
+
+@pytest.mark.slow  # two launches
+def test_an_fsdp_copy_shards_the_layers_of_a_nested_model_and_says_how_many(tmp_path):
+    """A Hugging Face BERT keeps its layers in bert.encoder.layer. FSDP's units were the model's
+    children (and a child list's layers), so bert was one unit of 99.7 % of the parameters, FSDP's
+    memory saving gone without a word. Each layer is a unit now, wherever it sits, bert one around
+    them (its embedding), and the start line counts the units and the largest's share. The copy, in
+    float64 with activation checkpointing, ends with the DDP copy's weights and test loss."""
+    project, launch = transformer_copy(tmp_path, "train_ddp.py", "train_fsdp.py")
+    runs = {
+        name: launch(
+            f"train_{name}.py",
+            "Logits",
+            "--precision",
+            "fp64",
+            "--save",
+            f"{name}.pt",
+            "--metrics",
+            f"{name}.json",
+            *more,
+        )
+        for name, more in (("ddp", []), ("fsdp", ["--activation-checkpointing"]))
+    }
+    ddp, fsdp = runs.values()
+    succeeded(fsdp)
+    units = re.search(
+        r"mesh \(2,\), (\d+) units, the largest (\d+)% of the parameters\)", fsdp.output
+    )
+    assert units and units.groups() == ("6", "24"), fsdp.output  # 4 layers, bert, the classifier
+    succeeded(ddp)
+    weights, reference = load_weights(project / "fsdp.pt"), load_weights(project / "ddp.pt")
+    assert weights.keys() == reference.keys() and max_difference(weights, reference) < 1e-12
+    losses = [json.loads((project / f"{name}.json").read_text())["test_loss"] for name in runs]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-9), losses
 
 
 class NoBlocks(torch.nn.Module):
@@ -381,7 +417,8 @@ def test_a_pipeline_copy_cuts_a_stock_transformer_encoder_where_its_flops_balanc
     layers to a stage (they were all on one), and it learns; with the embedding outside blocks, the
     start-up check refuses it in one line (it was a traceback of 124 lines under torchrun)."""
     project, launch = transformer_copy(tmp_path, "train_pippy.py")
-    outside, encoder = launch("EmbedOutside"), launch("Encoder", "--metrics", "encoder.json")
+    outside = launch("train_pippy.py", "EmbedOutside")
+    encoder = launch("train_pippy.py", "Encoder", "--metrics", "encoder.json")
     assert_one_line_error(outside.wait(), "does more than run its blocks in order: move that work")
     succeeded(encoder)
     assert "(1f1b, 2 stages: blocks [[0, 1, 2], [3, 4, 5, 6]], 8 microbatches)" in encoder.output
