@@ -247,8 +247,11 @@ def shard(model, args, mesh):
         for parent, name in units:
             getattr(parent, name).compile()
         log("--compile: each block, without CUDA graphs (FSDP frees and re-gathers weights)")
-    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
-    mp_policy = MixedPrecisionPolicy(**(bf16 if args.precision == "bf16" else {}))  # fp32 reduce
+    mp_policy = MixedPrecisionPolicy()
+    if args.precision == "bf16":  # gather and compute in bf16, reduce in fp32, fp32 logits
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+        )
     offload = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
     options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
     reshard = args.sharding != "grad-op"  # grad-op keeps gathered weights until backward
@@ -278,11 +281,8 @@ def shard_units(model):
             return [(module, name) for name, _ in module.named_children()]
         return [unit for child in module.children() for unit in layers(child)]
 
-    units = []
-    for name, child in model.named_children():
-        units += [*layers(child), (model, name)]
-    held = [set(getattr(parent, name).parameters()) for parent, name in units]
-    held.append(set(model.parameters()))  # the root's: what no unit holds
+    units = [u for name, child in model.named_children() for u in [*layers(child), (model, name)]]
+    held = [set(getattr(p, n).parameters()) for p, n in units] + [set(model.parameters())]
     sizes = [sum(p.numel() for p in mine.difference(*held[:i])) for i, mine in enumerate(held)]
     share, count = max(sizes) / sum(sizes), sum(map(bool, sizes))
     words = f"{count} units, the largest {share:.0%} of the parameters"
