@@ -82,14 +82,14 @@ def main():
     flops = watch.flops_per_sample(model, next(test_batches([0]))[0])  # forward + backward
 
     # ---- wrap: shard each block (one all-gather unit each), then the root ----
-    shard(model, args, mesh)
+    units = shard(model, args, mesh)  # "N units, the largest P% of the parameters"
     optimizer = training.make_optimizer(args, model.parameters())
 
     # ---- resume: every rank loads its part of the newest checkpoint, if any ----
     resumed = checkpointer.resume(model, optimizer, plan.peak_lr, log)  # collective
     recompute = ", activation checkpointing" if args.activation_checkpointing else ""
     mesh_shape = tuple(mesh.shape)
-    what = f"FSDP ({args.sharding}{recompute}, mesh {mesh_shape}) on {world_size} rank(s)"
+    what = f"FSDP ({args.sharding}{recompute}, mesh {mesh_shape}, {units}) on {world_size} rank(s)"
     figures = watch.describe(args, plan, param_count, flops)
     log(f"{what} ({backend}, {device.type}): {figures}")
 
@@ -191,7 +191,6 @@ def add_arguments(parser):  # FSDP's flags
     add(
         "--replicate-degree",
         type=training.number(int, 1),
-        default=None,
         help="hybrid only: number of replica groups (default: one per node)",
     )
     add(
@@ -243,7 +242,7 @@ def make_mesh(args, device, world_size):
 
 def shard(model, args, mesh):
     """fully_shard each unit (a block: one all-gather each), then the root; --compile per unit."""
-    units = shard_units(model)  # [(parent, name)]: BabyCNN's 4 blocks
+    units, words = shard_units(model)  # [(parent, name)]: BabyCNN's 4 blocks
     if args.compile:  # each unit in place, so its class and names stay (as torchtitan does)
         for parent, name in units:
             getattr(parent, name).compile()
@@ -267,26 +266,27 @@ def shard(model, args, mesh):
         last = index == len(units) - 1
         fully_shard(block, reshard_after_forward=reshard and not last, **options)
     fully_shard(model, reshard_after_forward=reshard, **options)
+    return words
 
 
 def shard_units(model):
-    """The submodules fully_shard makes units of, as (parent, name).
+    """The submodules fully_shard makes units of, as (parent, name), inner ones first, and the start
+    line's words on them. Each layer of a list of layers (nn.Sequential, nn.ModuleList: BabyCNN's
+    blocks, a BERT's bert.encoder.layer) wherever it sits, not inside another; then each child of
+    the model, around its layers. Each holds the parameters no unit before it holds, if any (else
+    it is no unit); the root holds the rest."""
 
-    Each child of the model that has parameters, and for a child that is a list of layers
-    (nn.Sequential, nn.ModuleList: BabyCNN's blocks, a ResNet's stages), each layer in it.
-    Forward gathers one unit's weights at a time; the rest is sharded with the root.
-    """
+    def layers(module):  # the layers of the outermost lists of layers in module or under it
+        if isinstance(module, (nn.Sequential, nn.ModuleList)):
+            return [(module, name) for name, _ in module.named_children()]
+        return [unit for child in module.children() for unit in layers(child)]
 
-    def has_parameters(module):
-        return next(module.parameters(), None) is not None
-
-    units = []
-    for name, child in model.named_children():
-        if isinstance(child, (nn.Sequential, nn.ModuleList)):
-            units += [(child, n) for n, layer in child.named_children() if has_parameters(layer)]
-        elif has_parameters(child):
-            units.append((model, name))
-    return units
+    units = [u for name, child in model.named_children() for u in [*layers(child), (model, name)]]
+    held = [set(getattr(p, n).parameters()) for p, n in units] + [set(model.parameters())]
+    sizes = [sum(p.numel() for p in mine.difference(*held[:i])) for i, mine in enumerate(held)]
+    share, count = max(sizes) / sum(sizes), sum(map(bool, sizes))
+    words = f"{count} units, the largest {share:.0%} of the parameters"
+    return [unit for unit, size in zip(units, sizes) if size], words
 
 
 def evaluate(model, test_batches, mesh):

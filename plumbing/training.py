@@ -58,12 +58,7 @@ def parser(description, *more):
     p = _Parser(description=description, formatter_class=_Help)
     add, positive = p.add_argument, number(float, 0, above_low=True)
     add("--epochs", type=number(int, 1), default=2, help="passes over the training set")
-    add(
-        "--max-steps",
-        type=number(int, 0),
-        default=0,
-        help="stop after this many steps (0: no limit)",
-    )
+    add("--max-steps", type=number(int, 0), default=0, help="at most this many steps (0: no limit)")
     add("--batch-size", type=number(int, 1), default=64, help="samples per micro-step per replica")
     add("--grad-accum", type=number(int, 1), default=1, help="micro-steps per optimizer step")
     add("--optimizer", choices=("adamw", "sgd"), default="adamw", help="fused AdamW, or SGD")

@@ -211,13 +211,17 @@ class Profiler:
 
 
 def flops_per_sample(model, inputs):
-    """FLOPs of a forward and a backward of ``model`` on one sample, by FlopCounterMode.
-
-    In eval mode: no running statistics change, and BatchNorm takes one sample.
-    """
+    """FLOPs of a forward and a backward on one sample (eval mode: BatchNorm takes one, and no
+    running statistic moves). Refuses an output the loss cannot take: before the first step."""
     model.eval()
     with FlopCounterMode(display=False) as counter:
-        model(inputs).sum().backward()
+        logits = model(inputs)
+        if not torch.is_tensor(logits) or logits.dim() < 2:  # what the loss takes
+            raise UsageError(
+                f"your model's forward returned {type(logits).__name__}, not one tensor of logits "
+                "(..., classes): return only the logits (a Hugging Face model's output.logits)"
+            )
+        logits.sum().backward()
     model.train()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops()
