@@ -69,6 +69,7 @@ TERMS = {
     "replica": r"\breplicas?\b",
     "schedule": r"\bschedule\.step\b|--schedule\b|\bpipeline schedules?\b|\bschedules?(?= "
     r"\((GPipe|1F1B))",
+    "sequence-parallelism": r"\bsequence[- ]parallel(ism)?\b",
     "shard": r"\bshards?\b",
     "stage": r"\bstages?\b",
     "store": r"\bTCPStore\b|\bHashStore\b|\b(key-value|rendezvous|shared) store\b",
