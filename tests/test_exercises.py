@@ -58,6 +58,7 @@ LEAST = {
     "fsdp.md": 3,
     "pipeline.md": 3,
     "parallelism.md": 1,
+    "transformer.md": 2,
     "checkpoints.md": 1,
     "cluster.md": 1,
 }  # at least
