@@ -241,7 +241,7 @@ def make_mesh(args, device, world_size):
 
 
 def shard(model, args, mesh):
-    """fully_shard each unit (a block: one all-gather each), then the root; --compile per unit."""
+    """fully_shard each unit (one all-gather each), then the root. Returns the units in words."""
     units, words = shard_units(model)  # [(parent, name)]: BabyCNN's 4 blocks
     if args.compile:  # each unit in place, so its class and names stay (as torchtitan does)
         for parent, name in units:
