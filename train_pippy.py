@@ -420,16 +420,16 @@ def block_flops(model, sample):
             "(an nn.Sequential) that its forward runs in order, and nothing else"
         )
     model.eval()  # grad on: no_grad's fused nn.TransformerEncoderLayer escapes FlopCounterMode
-    flops, x, same = [], sample, False
-    with suppress(Exception):  # a failure of the blocks alone is refused below
+    flops, x = [], sample
+    with suppress(Exception):  # blocks that fail alone on its input: refused below
         for block in model.blocks:
             with FlopCounterMode(display=False) as counter:
                 x = block(x)
             flops.append(counter.get_total_flops())
-        whole = model(sample)
-        same = x.shape == whole.shape and torch.allclose(x, whole, rtol=1e-3, atol=1e-6)
+    whole = model(sample)  # outside: a model that fails whole says why, in its own error
     model.train()
-    if not same:
+    same = len(flops) == len(model.blocks) and x.shape == whole.shape
+    if not same or not torch.allclose(x, whole, rtol=1e-3, atol=1e-6):
         raise failures.UsageError(
             "train_pippy.py cuts model.blocks into stages, but your model's forward does more "
             "than run its blocks in order: move that work into blocks (nn.Flatten(), ...)"
