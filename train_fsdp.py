@@ -61,11 +61,9 @@ def main():
     # collective: every rank sees what each found, so all train on the same data
     dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
     # drop_last: else the sampler pads the shards by repeating samples, counted twice.
-    sampler = DistributedSampler(
-        train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True
-    )
+    sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed, drop_last=True)
     plan = training.Plan(args, len(sampler), world_size, dataset_name)
-    checkpointer = checkpoints.Checkpointer(args, dataset_name, plan.global_batch_size, device)
+    checkpointer = checkpoints.Checkpointer(args, plan, device)
     checkpointer.check_outputs()  # collective: rank 0 tries a write where each output goes
     seed = hash((args.seed, rank))  # this rank's DataLoader workers' random streams
     train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
@@ -86,17 +84,16 @@ def main():
     optimizer = training.make_optimizer(args, model.parameters())
 
     # ---- resume: every rank loads its part of the newest checkpoint, if any ----
-    resumed = checkpointer.resume(model, optimizer, plan.peak_lr, log)  # collective
+    resumed = checkpointer.resume(model, optimizer, log)  # collective
     recompute = ", activation checkpointing" if args.activation_checkpointing else ""
-    mesh_shape = tuple(mesh.shape)
-    what = f"FSDP ({args.sharding}{recompute}, mesh {mesh_shape}, {units}) on {world_size} rank(s)"
+    what = f"FSDP ({args.sharding}{recompute}, mesh {tuple(mesh.shape)}, {units})"
     figures = watch.describe(args, plan, param_count, flops)
-    log(f"{what} ({backend}, {device.type}): {figures}")
+    log(f"{what} on {world_size} rank(s) ({backend}, {device.type}): {figures}")
 
     # ---- train loop ----
     progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
     profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
-    window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device
+    window = []  # the micro-steps' losses since the last logging step, on the device
     stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
     test_loss = test_accuracy = None  # stay None with --no-eval
     skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
@@ -117,13 +114,9 @@ def main():
                 # (..., C) logits of (...) targets: an image's or each token's
                 loss = F.cross_entropy(model(images).flatten(0, -2), labels.flatten())
                 (loss / args.grad_accum).backward()  # the mean over micro-steps
-                window_loss += loss.detach()
-                window_count += 1
-            if args.max_grad_norm:
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
-                norm = torch.nn.utils.get_total_norm(grads)  # of the shards: "Partial"
-                norm = norm.full_tensor()  # collective: all-reduces into the global norm
-                torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.max_grad_norm, norm)
+                window.append(loss.detach())
+            if args.max_grad_norm:  # collective: the global norm, from the shards' norms
+                norm = clip_grad_norm(model, args.max_grad_norm)
             lr = plan.lr(progress.step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -133,23 +126,21 @@ def main():
             # collective at logging steps and about once a second: the ranks agree on a stop
             stop_signal = stop.agree_now(progress.step, log_now, device)
             if log_now or stop_signal:  # one all-reduce per window: the mean over all ranks
+                window_loss = torch.stack(window).sum()
                 dist.all_reduce(window_loss)
-                mean_loss = window_loss.item() / (window_count * world_size)
+                mean_loss = window_loss.item() / (len(window) * world_size)
                 checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
                 grad_norm = norm.item() if args.max_grad_norm else None  # before clipping
                 progress.record_loss(mean_loss, "loss (all ranks)", lr, grad_norm)
-                window_loss.zero_()
-                window_count = 0
+                window.clear()
             profiler.after_step(progress.step)  # --profile-steps: starts or stops here
             # Also at the last step: a job requeued after it finished has nothing left.
             last_step = progress.step == plan.total_steps
             if checkpointer.is_due(progress.step, now=stop_signal or last_step):
                 for buffer in model.buffers():  # each rank's statistics: rank 0's are saved
                     dist.broadcast(buffer, src=0)
-                done = (step_in_epoch + 1) * plan.global_batch_size
-                where = {"epoch": epoch, "samples_into_epoch": done}
                 # collective; it refuses weights or a loss that are not finite
-                checkpointer.save(progress.step, where, model, optimizer, plan.peak_lr, window_loss)
+                checkpointer.save(progress.step, epoch, step_in_epoch + 1, model, optimizer, window)
             if stop_signal and not last_step:  # at the last step it just finishes
                 raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
 
@@ -160,11 +151,9 @@ def main():
     progress.close()  # the bar's last state stays on the screen
 
     # ---- save: every rank sends its shards; rank 0 gets the full state dict and writes ----
-    if args.save:
+    if args.save:  # collective: what rank 0's write raises, every rank raises
         full_state = gather_full_state_dict(model)  # collective: in rank 0's CPU memory
-        write = lambda: checkpoints.save_state_dict(full_state, args.save)  # noqa: E731
-        # collective: whatever rank 0's write raises, every rank raises
-        failures.on_rank_0(write, "writing --save")
+        checkpoints.save_on_rank_0(full_state, args.save)
         log(f"saved the weights to {args.save}")
     if hasattr(train_set, "write"):  # text: rank 0 prints what the model writes
         log(train_set.write(gather_full_state_dict(model)))  # collective: the shards gathered
@@ -287,6 +276,16 @@ def shard_units(model):
     share, count = max(sizes) / sum(sizes), sum(map(bool, sizes))
     words = f"{count} units, the largest {share:.0%} of the parameters"
     return [unit for unit, size in zip(units, sizes) if size], words
+
+
+def clip_grad_norm(model, max_norm):
+    """Collective: clip the gradients, of which each rank holds shards, to their global norm;
+    returns that norm, before clipping."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)  # of the shards: "Partial"
+    norm = norm.full_tensor()  # collective: all-reduces into the global norm
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    return norm
 
 
 def evaluate(model, test_batches, mesh):

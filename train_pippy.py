@@ -76,8 +76,8 @@ def main():
     dtype, autocast = training.dtype_of(args), training.autocast(args, device)
     check_flags(args, world_size)
     mesh = make_mesh(args, device, world_size)  # pipeline ranks x data-parallel replicas
-    dp_rank, dp_group = mesh.get_local_rank("dp"), mesh.get_group("dp")
-    pp_group = mesh.get_group("pp")  # the pipeline ranks of this replica
+    dp, dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")  # replicas, and which is this
+    dp_group, pp_group = mesh.get_group("dp"), mesh.get_group("pp")  # its replicas; its pipeline
     num_stages = mesh["pp"].size() * stages_per_rank(args)
 
     # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
@@ -85,11 +85,9 @@ def main():
     dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
     # Every stage of replica d walks the same shard d. drop_last: else the sampler pads the
     # shards by repeating samples, counted twice.
-    sampler = DistributedSampler(
-        train_set, args.data_parallel, dp_rank, shuffle=True, seed=args.seed, drop_last=True
-    )
-    plan = training.Plan(args, len(sampler), args.data_parallel, dataset_name, "replicas")
-    checkpointer = checkpoints.Checkpointer(args, dataset_name, plan.global_batch_size, device)
+    sampler = DistributedSampler(train_set, dp, dp_rank, seed=args.seed, drop_last=True)
+    plan = training.Plan(args, len(sampler), dp, dataset_name, "replicas")
+    checkpointer = checkpoints.Checkpointer(args, plan, device)
     checkpointer.check_outputs()  # collective: rank 0 tries a write where each output goes
     seed = hash((args.seed, dp_rank))  # this replica's DataLoader workers' random streams
     train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
@@ -111,21 +109,19 @@ def main():
 
     schedule = make_schedule(stages, args, dtype)
     stage_indices = [stage.stage_index for stage in stages]
-    has_first_stage, has_last_stage = 0 in stage_indices, num_stages - 1 in stage_indices
     optimizer = training.make_optimizer(args, model.parameters())
 
     # ---- resume: every rank loads its part of the newest checkpoint, if any ----
-    resumed = checkpointer.resume(model, optimizer, plan.peak_lr, log)  # collective
+    resumed = checkpointer.resume(model, optimizer, log)  # collective
     what = f"pipeline ({args.schedule}, {num_stages} stages: blocks {stage_blocks}, "
-    what += f"{args.microbatches} microbatches) x {args.data_parallel} replica(s)"
-    what += f" on {world_size} rank(s)"
+    what += f"{args.microbatches} microbatches) x {dp} replica(s)"
     figures = watch.describe(args, plan, param_count, flops, "replica")
-    log(f"{what} ({backend}, {device.type}): {figures}")
+    log(f"{what} on {world_size} rank(s) ({backend}, {device.type}): {figures}")
 
     # ---- train loop ----
     progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
     profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
-    window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device
+    window = []  # the micro-steps' losses since the last logging step, on the device
     stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
     test_loss = test_accuracy = None  # stay None with --no-eval
     skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
@@ -140,23 +136,14 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             for micro_step in range(args.grad_accum):
                 images, labels = next(batches)
-                # Only the first stage reads inputs, only the last one sees targets and losses.
-                losses = [] if has_last_stage else None
-                # Sends and receives activations and gradients between neighbouring stages.
-                inputs = [images] if has_first_stage else []
-                target = labels if has_last_stage else None
-                schedule.step(*inputs, target=target, losses=losses)
-                if has_last_stage:  # the micro-step's mean (loss_fn divided it)
-                    window_loss += torch.stack(losses).detach().sum() * args.grad_accum
-                window_count += 1
+                # collective: the stages send each other activations and gradients
+                loss = forward_backward(schedule, stages, images, labels, args.grad_accum)
+                window.append(loss)  # 0 where no stage is the last
             grads = [p.grad for p in model.parameters() if p.grad is not None]  # its stages'
-            if args.data_parallel > 1:  # collective: the mean with the stage's replicas
+            if dp > 1:  # collective: the mean with the stage's replicas
                 average_over_replicas(grads, dp_group)
-            if args.max_grad_norm:  # the whole model's norm: every stage's gradients
-                squares = torch.nn.utils.get_total_norm(grads) ** 2  # this rank's stages
-                dist.all_reduce(squares, group=pp_group)  # summed over the pipeline ranks
-                norm = squares.sqrt()
-                torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.max_grad_norm, norm)
+            if args.max_grad_norm:  # collective: the whole model's norm, every stage's
+                norm = clip_grad_norm(model, grads, args.max_grad_norm, pp_group)
             lr = plan.lr(progress.step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -166,23 +153,21 @@ def main():
             # collective at logging steps and about once a second: the ranks agree on a stop
             stop_signal = stop.agree_now(progress.step, log_now, device)
             if log_now or stop_signal:  # only last stages hold a loss: the all-reduce brings it
+                window_loss = torch.stack(window).sum()
                 dist.all_reduce(window_loss)
-                mean_loss = window_loss.item() / (window_count * args.data_parallel)
+                mean_loss = window_loss.item() / (len(window) * dp)
                 checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
                 grad_norm = norm.item() if args.max_grad_norm else None  # before clipping
                 progress.record_loss(mean_loss, "loss (last stage)", lr, grad_norm)
-                window_loss.zero_()
-                window_count = 0
+                window.clear()
             profiler.after_step(progress.step)  # --profile-steps: starts or stops here
             # Also at the last step: a job requeued after it finished has nothing left.
             last_step = progress.step == plan.total_steps
             if checkpointer.is_due(progress.step, now=stop_signal or last_step):
                 for buffer in model.buffers():  # each replica's statistics: replica 0's saved
                     dist.broadcast(buffer, group=dp_group, group_src=0)
-                done = (step_in_epoch + 1) * plan.global_batch_size
-                where = {"epoch": epoch, "samples_into_epoch": done}
                 # collective; it refuses weights or a loss that are not finite
-                checkpointer.save(progress.step, where, model, optimizer, plan.peak_lr, window_loss)
+                checkpointer.save(progress.step, epoch, step_in_epoch + 1, model, optimizer, window)
             if stop_signal and not last_step:  # at the last step it just finishes
                 raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
 
@@ -193,11 +178,9 @@ def main():
     progress.close()  # the bar's last state stays on the screen
 
     # ---- save: replica 0's stages send their weights to rank 0, which writes them ----
-    if args.save:
-        whole = gather_state_dict(model, mesh)  # collective: replica 0's stages, on rank 0
-        write = lambda: checkpoints.save_state_dict(whole, args.save)  # noqa: E731
-        # collective: whatever rank 0's write raises, every rank raises
-        failures.on_rank_0(write, "writing --save")
+    if args.save:  # collective: what rank 0's write raises, every rank raises
+        full_state = gather_state_dict(model, mesh)  # collective: replica 0's stages, on rank 0
+        checkpoints.save_on_rank_0(full_state, args.save)
         log(f"saved the weights to {args.save}")
     if hasattr(train_set, "write"):  # text: rank 0 prints what the model writes
         log(train_set.write(gather_state_dict(model, mesh)))  # collective: every stage's
@@ -278,6 +261,27 @@ def make_schedule(stages, args, dtype):
         loss_fn=loss_fn,
         scale_grads=False,
     )
+
+
+def forward_backward(schedule, stages, images, labels, grad_accum):
+    """Collective: a micro-step through the pipeline; its mean loss on the last stage, else 0."""
+    # Only the first stage reads inputs, only the last one sees targets and losses.
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    losses = [] if last else None
+    schedule.step(*([images] if first else []), target=labels if last else None, losses=losses)
+    if not last:
+        return torch.zeros((), device=images.device)
+    return torch.stack(losses).detach().sum().float() * grad_accum  # loss_fn divided it
+
+
+def clip_grad_norm(model, grads, max_norm, pp_group):
+    """Collective: clip to the norm of every stage's gradients, summed over the pipeline ranks;
+    returns that norm, before clipping."""
+    squares = torch.nn.utils.get_total_norm(grads) ** 2  # this rank's stages
+    dist.all_reduce(squares, group=pp_group)
+    norm = squares.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    return norm
 
 
 def average_over_replicas(grads, dp_group):

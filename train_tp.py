@@ -73,7 +73,7 @@ def main():
     # One share per tp group: its ranks see the same batch; drop_last: no sample counted twice
     sampler = DistributedSampler(train_set, dp, dp_rank, seed=args.seed, drop_last=True)  # shuffled
     plan = training.Plan(args, len(sampler), dp, dataset_name, "tp groups")
-    checkpointer = checkpoints.Checkpointer(args, dataset_name, plan.global_batch_size, device)
+    checkpointer = checkpoints.Checkpointer(args, plan, device)
     checkpointer.check_outputs()  # collective: rank 0 tries a write where each output goes
     seed = hash((args.seed, dp_rank))  # this group's DataLoader workers' random streams
     train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
@@ -95,7 +95,7 @@ def main():
     optimizer = training.make_optimizer(args, model.parameters())
 
     # ---- resume: every rank loads its part of the newest checkpoint, if any ----
-    resumed = checkpointer.resume(model, optimizer, plan.peak_lr, log)  # collective
+    resumed = checkpointer.resume(model, optimizer, log)  # collective
     what = f"TP {args.tp} x FSDP {dp} (mesh (dp, tp) {tuple(mesh.shape)}) on {world_size} rank(s)"
     figures = watch.describe(args, plan, param_count, flops, "tp group")
     log(f"{what} ({backend}, {device.type}): {figures}")
@@ -103,7 +103,7 @@ def main():
     # ---- train loop ----
     progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
     profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
-    window_loss, window_count = torch.zeros((), device=device), 0  # summed on the device
+    window = []  # the micro-steps' losses since the last logging step, on the device
     stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
     test_loss = test_accuracy = None  # stay None with --no-eval
     skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
@@ -125,13 +125,9 @@ def main():
                 with loss_parallel():  # collective: the GPT's loss all-reduces over tp ranks
                     loss = F.cross_entropy(model(images).flatten(0, -2), labels.flatten())
                     (loss / args.grad_accum).backward()  # the mean over micro-steps
-                window_loss += local(loss.detach())  # the GPT's: the same on every tp rank
-                window_count += 1
-            if args.max_grad_norm:
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
-                norm = torch.nn.utils.get_total_norm(grads)  # of the shards: "Partial"
-                norm = norm.full_tensor()  # collective: all-reduces into the global norm
-                torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.max_grad_norm, norm)
+                window.append(local(loss.detach()))  # the GPT's: the same on every tp rank
+            if args.max_grad_norm:  # collective: the global norm, from the shards' norms
+                norm = clip_grad_norm(model, args.max_grad_norm)
             lr = plan.lr(progress.step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -142,23 +138,21 @@ def main():
             stop_signal = stop.agree_now(progress.step, log_now, device)
             if log_now or stop_signal:  # one all-reduce per window: the mean over all ranks
                 # (a tp group's ranks hold the same loss, so the mean is the groups')
+                window_loss = torch.stack(window).sum()
                 dist.all_reduce(window_loss)
-                mean_loss = window_loss.item() / (window_count * world_size)
+                mean_loss = window_loss.item() / (len(window) * world_size)
                 checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
                 grad_norm = norm.item() if args.max_grad_norm else None  # before clipping
                 progress.record_loss(mean_loss, "loss (all ranks)", lr, grad_norm)
-                window_loss.zero_()
-                window_count = 0
+                window.clear()
             profiler.after_step(progress.step)  # --profile-steps: starts or stops here
             # Also at the last step: a job requeued after it finished has nothing left.
             last_step = progress.step == plan.total_steps
             if checkpointer.is_due(progress.step, now=stop_signal or last_step):
                 for buffer in model.buffers():  # each rank's statistics: rank 0's are saved
                     dist.broadcast(buffer, src=0)
-                done = (step_in_epoch + 1) * plan.global_batch_size
-                where = {"epoch": epoch, "samples_into_epoch": done}
                 # collective; it refuses weights or a loss that are not finite
-                checkpointer.save(progress.step, where, model, optimizer, plan.peak_lr, window_loss)
+                checkpointer.save(progress.step, epoch, step_in_epoch + 1, model, optimizer, window)
             if stop_signal and not last_step:  # at the last step it just finishes
                 raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
 
@@ -169,15 +163,12 @@ def main():
     progress.close()  # the bar's last state stays on the screen
 
     # ---- save: every rank sends its shards; rank 0 gets the full state dict and writes ----
-    if args.save or hasattr(train_set, "write"):  # the weights; the text the GPT writes
+    if args.save:  # collective: what rank 0's write raises, every rank raises
         full_state = gather_full_state_dict(model)  # collective: in rank 0's CPU memory
-    if args.save:
-        write = lambda: checkpoints.save_state_dict(full_state, args.save)  # noqa: E731
-        # collective: whatever rank 0's write raises, every rank raises
-        failures.on_rank_0(write, "writing --save")
+        checkpoints.save_on_rank_0(full_state, args.save)
         log(f"saved the weights to {args.save}")
     if hasattr(train_set, "write"):  # text: rank 0 prints what the model writes
-        log(train_set.write(full_state))  # the other ranks' gather leaves them none
+        log(train_set.write(gather_full_state_dict(model)))  # collective: the shards gathered
     if args.metrics:
         run = {"strategy": "tp", "tp": args.tp, "mesh": list(mesh.shape)}
         run |= {"test_loss": test_loss, "test_accuracy": test_accuracy}
@@ -382,6 +373,16 @@ class AllReduceBackward(torch.autograd.Function):
         grad = grad.contiguous()  # all_reduce works in place
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
+
+
+def clip_grad_norm(model, max_norm):
+    """Collective: clip the gradients, of which each rank holds shards, to their global norm;
+    returns that norm, before clipping."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)  # of the shards: "Partial"
+    norm = norm.full_tensor()  # collective: all-reduces into the global norm
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    return norm
 
 
 def evaluate(model, test_batches, mesh):

@@ -51,17 +51,22 @@ def cannot_write(path, error, needed=0):
     return getattr(error, "strerror", None) or " ".join(str(error).split())
 
 
-def save_state_dict(state_dict, path):
-    """Plain CPU tensors, which torch.load(weights_only=True) reads; finite ones only."""
-    state_dict = {name: tensor.detach().cpu() for name, tensor in state_dict.items()}
-    for name, tensor in state_dict.items():
-        if tensor.is_floating_point() and not tensor.isfinite().all():
-            raise UsageError(
-                f"{path} was not written: {name} is not finite (training diverged); "
-                "lower --lr or raise --warmup-steps"
-            )
-    size = sum(t.nbytes for t in state_dict.values())
-    write_atomically(path, lambda file: torch.save(state_dict, file), size)
+def save_on_rank_0(state_dict, path):
+    """Collective: rank 0 writes ``state_dict`` as plain CPU tensors (torch.load(weights_only=True)
+    reads them) if each is finite; whatever that raises, every rank raises."""
+
+    def write():
+        state = {name: tensor.detach().cpu() for name, tensor in state_dict.items()}
+        for name, tensor in state.items():
+            if tensor.is_floating_point() and not tensor.isfinite().all():
+                raise UsageError(
+                    f"{path} was not written: {name} is not finite (training diverged); "
+                    "lower --lr or raise --warmup-steps"
+                )
+        size = sum(t.nbytes for t in state.values())
+        write_atomically(path, lambda file: torch.save(state, file), size)
+
+    on_rank_0(write, "writing --save")
 
 
 def save_json(value, path):
@@ -126,17 +131,18 @@ class Checkpointer:
     """``step-<N>`` in --checkpoint-dir, which every rank must see: DCP's files, by parameter name
     (any strategy resumes any other's), and checkpoint.json with each file's SHA-256."""
 
-    def __init__(self, args, dataset_name, global_batch_size, device):
+    def __init__(self, args, plan, device):
         self.args, self.directory, self.device = args, args.checkpoint_dir, device
-        self.layout = {"dataset": dataset_name, "world_size": dist.get_world_size()}
-        self.layout |= {"global_batch_size": global_batch_size, "device": device.type}
+        self.peak_lr, batch = plan.peak_lr, plan.global_batch_size
+        self.layout = {"dataset": plan.dataset_name, "world_size": dist.get_world_size()}
+        self.layout |= {"global_batch_size": batch, "device": device.type}
         self.branch = None  # (rank 0's) the --resume-from this run's checkpoints descend from
 
     def is_due(self, step, now):  # at every --checkpoint-every steps, or ``now``
         return bool(self.directory) and (now or step % self.args.checkpoint_every == 0)
 
-    def save(self, step, position, model, optimizer, peak_lr, window_loss):
-        """Collective: save ``step-<N>`` if every weight, state and ``window_loss`` is finite.
+    def save(self, step, epoch, steps_into_epoch, model, optimizer, losses):
+        """Collective: save ``step-<N>`` if every weight, state and loss in ``losses`` is finite.
 
         All ranks write into .tmp-step-<N>; rank 0 adds checkpoint.json and renames it.
         """
@@ -145,7 +151,7 @@ class Checkpointer:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         rng = {f"rank{dist.get_rank()}": self._random_states()}
         state = {"model": model_state, "optimizer": optimizer_state["state"], "rng": rng}
-        checked = [t for t in _local(state) if t.is_floating_point()] + [window_loss]
+        checked = [t for t in _local(state) if t.is_floating_point()] + list(losses)
         finite = torch.stack([t.isfinite().all().to(self.device) for t in checked]).all()
         finite = finite.to(torch.int32)  # one sync for them all
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
@@ -160,8 +166,10 @@ class Checkpointer:
             try:
                 names = sorted(os.listdir(temporary))
                 files = {name: _fingerprint(os.path.join(temporary, name)) for name in names}
-                info = {"format": FORMAT, "layout": self.layout, "step": step, **position}
-                info |= {"peak_lr": peak_lr, "branch": self.branch, "files": files}
+                done = steps_into_epoch * self.layout["global_batch_size"]
+                info = {"format": FORMAT, "layout": self.layout, "step": step, "epoch": epoch}
+                info |= {"samples_into_epoch": done, "peak_lr": self.peak_lr}
+                info |= {"branch": self.branch, "files": files}
                 save_json(info, os.path.join(temporary, "checkpoint.json"))
                 shutil.rmtree(final, ignore_errors=True)  # the same step saved before (a rerun)
                 os.replace(temporary, final)
@@ -258,7 +266,7 @@ class Checkpointer:
                 why = error.strerror or error
                 raise UsageError(f"{flag} {path}: cannot write there ({why})") from None
 
-    def resume(self, model, optimizer, peak_lr, log):
+    def resume(self, model, optimizer, log):
         """Collective: every rank loads its part of the newest intact checkpoint, if any.
 
         Returns where training goes on: step, epoch, samples_into_epoch.
@@ -299,9 +307,9 @@ class Checkpointer:
         log(f"resumed from {path} (step {info['step']}, epoch {info['epoch'] + 1})")
         if self.args.init_from:  # a restarted or requeued job goes on; it does not start over
             log(f"--init-from {self.args.init_from} is not used: the checkpoint is newer")
-        if info["peak_lr"] != peak_lr:  # another --lr, or another global batch with --scale-lr
+        if info["peak_lr"] != self.peak_lr:  # another --lr, or global batch with --scale-lr
             log(
-                f"the peak lr is now {peak_lr:g}, not the checkpoint's {info['peak_lr']:g}: "
+                f"the peak lr is now {self.peak_lr:g}, not the checkpoint's {info['peak_lr']:g}: "
                 "the schedule goes on"
             )
         saved, batch = info["samples_into_epoch"], self.layout["global_batch_size"]

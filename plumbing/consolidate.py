@@ -63,7 +63,7 @@ def consolidate(directory, out):
     with warnings.catch_warnings():  # that it reads in one process, without a group: as intended
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=path, no_dist=True)  # one process: no collective
-    # What --save writes, atomically. Not through checkpoints.save_state_dict: its check that each
+    # What --save writes, atomically. Not through checkpoints.save_on_rank_0: its check that each
     # tensor is finite holds temporaries up to 3 x the largest; Checkpointer.save saved finite ones.
     size = sum(t.nbytes for t in tensors.values())
     write_atomically(out, lambda file: torch.save(state["model"], file), size)
