@@ -68,51 +68,20 @@ def parser(description, *more):
     add("--weight-decay", type=number(float, 0), help="(default: 0.01 adamw, 5e-4 sgd)")
     add("--scale-lr", action="store_true", help="lr *= global_batch_size / base_batch_size")
     add("--base-batch-size", type=number(int, 1), default=64, help="the global batch --lr fits")
-    add(
-        "--warmup-steps",
-        type=number(int, 0),
-        help="linear warmup steps, at most half the run "
-        "(default: 100, or a fifth of a run shorter than 500 steps)",
-    )
+    add("--warmup-steps", type=number(int, 0), help="(default: 100, at most a fifth of the run)")
     add("--max-grad-norm", type=positive, help="clip gradients to this global L2 norm (logged)")
-    add(
-        "--device",
-        choices=("auto", "cuda", "cpu"),
-        default="auto",
-        help="auto: this rank's GPU (cuda:LOCAL_RANK) if there is one, else the CPU",
-    )
-    add(
-        "--precision",
-        choices=("fp32", "bf16", "fp64"),
-        default="fp32",
-        help="bf16: autocast forward; fp64: for tests",
-    )
+    add("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: a GPU if any")
+    add("--precision", choices=("fp32", "bf16", "fp64"), default="fp32", help="bf16: autocast")
     add("--compile", action="store_true", help="torch.compile the model (DDP) or each block (FSDP)")
     add("--seed", type=int, default=0, help="same initial weights and data order on every rank")
     add("--workers", type=number(int, 0), default=0, help="DataLoader processes per rank")
-    add(
-        "--log-every",
-        type=number(int, 1),
-        default=20,
-        help="steps between all-reduced losses "
-        "(a stop signal is honoured within about a second, whatever this is)",
-    )
+    add("--log-every", type=number(int, 1), default=20, help="steps between all-reduced losses")
     add("--no-eval", action="store_true", help="skip the test-set evaluation after each epoch")
     add("--checkpoint-dir", metavar="DIR", help="save checkpoints here; resume from the newest")
     add("--checkpoint-every", type=number(int, 1), default=100, help="steps between checkpoints")
     add("--keep-checkpoints", type=number(int, 1), default=2, help="how many of the newest to keep")
-    add(
-        "--init-from",
-        metavar="FILE",
-        help="start from these weights (--save's, "
-        "consolidate's, .safetensors) with a fresh optimizer; a checkpoint wins over it",
-    )
-    add(
-        "--resume-from",
-        metavar="STEP",
-        help="resume from this checkpoint, not the "
-        "newest: step-<N> in --checkpoint-dir, or a path; newer ones move to abandoned-step-<N>",
-    )
+    add("--init-from", metavar="FILE", help="start from these weights, with a fresh optimizer")
+    add("--resume-from", metavar="STEP", help="resume from step-<N> or a path, not the newest")
     add("--save", metavar="PATH", help="write the final weights as a plain state dict (rank 0)")
     add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")
     add("--log-dir", metavar="DIR", help="rank 0 appends a row per logging step to metrics.csv")
