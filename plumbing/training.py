@@ -36,10 +36,9 @@ def number(kind, low, below=math.inf, above_low=False):
         value = kind(text)
         if math.isfinite(value) and (low < value if above_low else low <= value) and value < below:
             return value
+        least = "above" if above_low else "at least"
         upper = f" and below {below}" if below < math.inf else ""
-        raise argparse.ArgumentTypeError(
-            f"must be {'above' if above_low else 'at least'} {low}{upper}, got {text}"
-        )
+        raise argparse.ArgumentTypeError(f"must be {least} {low}{upper}, got {text}")
 
     parse.__name__ = kind.__name__  # argparse's "invalid int value: 'abc'"
     return parse
@@ -110,14 +109,12 @@ class Plan:
                 f"the {samples} samples each of the {replicas} {replica} gets from {dataset_name}; "
                 "make it smaller"
             )
-        self.global_batch_size = self.samples_per_step * replicas
+        self.global_batch_size = batch = self.samples_per_step * replicas
         self.dataset_name = dataset_name
         whole = self.steps_per_epoch * args.epochs
-        self.total_steps = min(args.max_steps or whole, whole)
-        self.epochs = -(-self.total_steps // self.steps_per_epoch)
-        self.peak_lr, self.warmup_steps = peak_and_warmup(
-            args, self.global_batch_size, self.total_steps
-        )
+        self.total_steps = total = min(args.max_steps or whole, whole)
+        self.epochs = -(-total // self.steps_per_epoch)
+        self.peak_lr, self.warmup_steps = peak_and_warmup(args, batch, total)
         self.cosine = args.lr_schedule == "cosine"
 
     def lr(self, step):  # a function of the step: a resumed run goes on exactly
@@ -186,9 +183,8 @@ def dtype_of(args):  # the weights' dtype: bf16 runs fp32 weights under autocast
 
 
 def autocast(args, device):  # bf16 autocast for the forward (CPU and GPU alike), or nothing
-    if args.precision != "bf16":
-        return nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    bf16 = args.precision == "bf16"
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
 
 class Batches:
