@@ -40,14 +40,9 @@ class Progress:
         self.grad_norms = []  # [step, the norm before clipping] at each logging step, if clipped
         self.device = device
         self.synchronize = torch.accelerator.synchronize if device.type != "cpu" else lambda: None
-        self.bar = tqdm(
-            total=self.total_steps,
-            initial=start_step,
-            unit="step",
-            file=sys.stdout,
-            dynamic_ncols=True,
-            disable=not (is_rank_0() and sys.stdout.isatty()),
-        )
+        shown = is_rank_0() and sys.stdout.isatty()  # rank 0's bar, in a terminal
+        options = dict(unit="step", file=sys.stdout, dynamic_ncols=True, disable=not shown)
+        self.bar = tqdm(total=self.total_steps, initial=start_step, **options)
         self.rows = MetricsLog(log_dir, start_step) if log_dir and is_rank_0() else None
 
     def start_epoch(self, epoch):  # the clock runs from here: every epoch ends with a logging step
@@ -80,14 +75,8 @@ class Progress:
             log(f"{step}: {label} {loss:.4f}, lr {lr:.3g}{norm}, {rate}")
         self.bar.set_postfix_str(f"{label} {loss:.4f}, {rate}")
         if self.rows:
-            self.rows.write(
-                step=self.step,
-                epoch=self.epoch + 1,
-                train_loss=loss,
-                lr=lr,
-                grad_norm=grad_norm,
-                samples_per_second=self.rate(),
-            )
+            row = {"step": self.step, "epoch": self.epoch + 1, "train_loss": loss, "lr": lr}
+            self.rows.write(**row, grad_norm=grad_norm, samples_per_second=self.rate())
 
     def record_test(self, test_loss, test_accuracy):  # the epoch's line, and its row
         log(
@@ -109,14 +98,9 @@ class Progress:
         return samples / max(self.train_seconds, 1e-9)
 
     def summary(self):
-        return {
-            "steps": self.step,
-            "train_seconds": self.train_seconds,
-            "samples_per_second": self.rate(),
-            "final_train_loss": self.final_train_loss,
-            "loss_curve": self.loss_curve,
-            "grad_norms": self.grad_norms,
-        }
+        run = {"steps": self.step, "train_seconds": self.train_seconds}
+        run |= {"samples_per_second": self.rate(), "final_train_loss": self.final_train_loss}
+        return run | {"loss_curve": self.loss_curve, "grad_norms": self.grad_norms}
 
 
 class MetricsLog:
@@ -254,13 +238,9 @@ def throughput(flops, samples_per_second, world_size, device, precision, gpu_nam
     peak = peaks[0] if peaks and precision == "bf16" else None
     achieved = flops * samples_per_second  # the global batch's samples: all ranks together
     per_gpu = achieved / world_size
-    return {
-        "flops_per_sample": flops,
-        "flops_per_second": achieved,
-        "flops_per_second_per_gpu": per_gpu,
-        "peak_flops_per_gpu": peak,
-        "mfu": per_gpu / peak if peak else None,
-    }
+    speed = {"flops_per_sample": flops, "flops_per_second": achieved}
+    speed |= {"flops_per_second_per_gpu": per_gpu, "peak_flops_per_gpu": peak}
+    return speed | {"mfu": per_gpu / peak if peak else None}
 
 
 def memory(model, optimizer, device):
