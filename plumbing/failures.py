@@ -146,13 +146,10 @@ def process_group_options(device, minutes=10):
     timeout = timedelta(minutes=minutes)  # a collective that waits longer fails: no hang
     if "RANK" not in os.environ:  # plain `python train_*.py`: every collective runs unchanged
         return dict(store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return dict(
-        store=_store_for_this_attempt(timeout),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timeout,
-        device_id=device if device.type != "cpu" else None,  # a GPU's group connects at once
-    )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device_id = device if device.type != "cpu" else None  # a GPU's group connects at once
+    store = _store_for_this_attempt(timeout)
+    return dict(store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id)
 
 
 def _store_for_this_attempt(timeout):
@@ -177,8 +174,7 @@ def on_rank_0(work, what, share=True):
         except UsageError as error:
             problem = UsageError(str(error))
         except Exception as error:  # a bug too: its traceback here, its line on every rank
-            line = transient(error)
-            if line:
+            if line := transient(error):
                 problem = Retryable(line)
             else:
                 traceback.print_exc()
@@ -247,6 +243,5 @@ class StopSignals:
         else:
             saved = "nothing was saved (no --checkpoint-dir)"
         name = signal.Signals(self.agreed).name
-        return Stopped(
-            f"stopped by {name} at step {step} of {total_steps}: {saved}", 128 + self.agreed
-        )
+        line = f"stopped by {name} at step {step} of {total_steps}: {saved}"
+        return Stopped(line, 128 + self.agreed)
