@@ -162,20 +162,15 @@ def pick_device(flag, local_rank):
     if processes > count:
         shown = os.environ.get("CUDA_VISIBLE_DEVICES")
         shown = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
-        if processes > 1:
-            need = f"{processes} processes on this node need {processes} GPUs"
-        else:
-            need = "--device cuda: a GPU"
-        if count:
-            way = f"start at most {count} per node (NPROC_PER_NODE={count})"
-        else:
-            way = "use a machine with GPUs and CUDA"
+        need = f"{processes} processes on this node need {processes} GPUs"
+        need = need if processes > 1 else "--device cuda: a GPU"
+        way = f"start at most {count} per node (NPROC_PER_NODE={count})"
+        way = way if count else "use a machine with GPUs and CUDA"
         raise NodeError(
             f"{need}, but torch sees {count}{shown}: {way}, or train on the CPU with --device cpu"
         )
-    device = torch.device(accelerator.type, local_rank)
     torch.accelerator.set_device_index(local_rank)
-    return device
+    return torch.device(accelerator.type, local_rank)
 
 
 def dtype_of(args):  # the weights' dtype: bf16 runs fp32 weights under autocast
