@@ -79,10 +79,9 @@ class Progress:
             self.rows.write(**row, grad_norm=grad_norm, samples_per_second=self.rate())
 
     def record_test(self, test_loss, test_accuracy):  # the epoch's line, and its row
-        log(
-            f"epoch {self.epoch + 1}: step {self.step}, train loss {self.final_train_loss:.4f} "
-            f"{self.whose}, test loss {test_loss:.4f}, test accuracy {test_accuracy:.2%}"
-        )
+        train = f"train loss {self.final_train_loss:.4f} {self.whose}"
+        test = f"test loss {test_loss:.4f}, test accuracy {test_accuracy:.2%}"
+        log(f"epoch {self.epoch + 1}: step {self.step}, {train}, {test}")
         if self.rows:
             row = {"step": self.step, "epoch": self.epoch + 1, "test_loss": test_loss}
             self.rows.write(**row, test_accuracy=test_accuracy)
