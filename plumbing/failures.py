@@ -188,12 +188,10 @@ def on_rank_0(work, what, share=True):
 
 
 class StopSignals:
-    """Stop signals, recorded as they come, and the ranks' agreement on when to stop.
-
-    STOP_SIGNALS are a scheduler's SIGTERM, SLURM's SIGUSR1 warning, Ctrl-C's SIGINT, a closed
-    terminal's SIGHUP and SIGQUIT. A second signal, over a second later, ends the process: a
-    thread watches, as a rank blocked in a collective can't.
-    """
+    """Stop signals (a scheduler's SIGTERM, SLURM's SIGUSR1 warning, Ctrl-C's SIGINT, a closed
+    terminal's SIGHUP and SIGQUIT), recorded as they come, and the ranks' agreement on when to
+    stop. A second signal, over a second later, ends the process: a thread watches, as a rank
+    blocked in a collective can't."""
 
     SECONDS = 1.0  # of training between two agreements: the most a stop waits
 

@@ -92,13 +92,9 @@ def parser(description, *more):
 
 
 class Plan:
-    """A run's arithmetic: steps per epoch, total steps, the global batch, each step's lr.
-
-    The lr of step s (from 0) is peak x min(1, (s + 1) / (warmup + 1)) x decay(s): a linear
-    warmup times, for --lr-schedule cosine, decay(s) = (1 + cos(pi s / total_steps)) / 2 (1 for
-    constant). The cosine runs from step 0, so the highest lr used, at the warmup's end, is
-    ``top_lr``: below the peak by the decay there (0.97 x for 100 warmup steps of 1,000).
-    """
+    """A run's arithmetic: steps per epoch, total steps, the global batch, each step's lr: a
+    linear warmup times, for --lr-schedule cosine, a cosine from step 0, so the highest lr used,
+    ``top_lr`` at the warmup's end, is below the peak (0.97 x for 100 warmup steps of 1,000)."""
 
     def __init__(self, args, samples, replicas, dataset_name, replica="ranks"):
         self.samples_per_step = args.batch_size * args.grad_accum  # per replica
@@ -184,11 +180,9 @@ def autocast(args, device):  # bf16 autocast for the forward (CPU and GPU alike)
 
 class Batches:
     """Called with indices: (inputs, labels) of ``dataset`` there, a batch at a time, on ``device``.
-
-    A TensorDataset on the device is gathered by index; any other goes through one DataLoader
-    (pinned memory on a GPU; ``workers`` forked once and kept: a fork while another loader's
-    threads end can hang the child, CPython 3.11).
-    """
+    A TensorDataset on the device is gathered by index; any other goes through one DataLoader,
+    its ``workers`` forked once and kept: a fork while another loader's threads end can hang the
+    child, CPython 3.11."""
 
     def __init__(self, dataset, batch_size, device, dtype, workers=0, seed=0):
         self.dataset, self.batch_size, self.device, self.dtype = dataset, batch_size, device, dtype
@@ -221,12 +215,9 @@ class Batches:
 
 @torch.no_grad()
 def evaluate(forward, batches, rank, world_size, pipeline=False):
-    """This replica's [loss sum, correct, count] of ``forward`` on its slice, to all-reduce.
-
-    Over targets: logits (..., C), labels (...): a sample's or a token's. All replicas run as
-    many batches (FSDP gathers in each), padded with sample 0, uncounted; ``pipeline``: full
-    batches, and ``forward(inputs, labels)``.
-    """
+    """This replica's [loss sum, correct, count] of ``forward`` on its slice, to all-reduce, over
+    targets (a sample's or a token's). All replicas run as many batches (FSDP gathers in each),
+    padded with sample 0, uncounted; ``pipeline``: full batches, ``forward(inputs, labels)``."""
     size, count = batches.batch_size, len(batches.dataset)
     shard = torch.arange(count).tensor_split(world_size)[rank].tolist()
     longest = -(-count // world_size)

@@ -25,11 +25,9 @@ def log(line):
 
 
 class Progress:
-    """Rank 0's progress: a bar in a terminal, a line at each logging step elsewhere.
-
-    It keeps the loss curve ([step, loss, training seconds]), --log-dir's rows and the
-    training clock, read only at logging steps (on a GPU it waits for the kernels).
-    """
+    """Rank 0's progress: a bar in a terminal, else a line at each logging step. It keeps the loss
+    curve ([step, loss, training seconds]), --log-dir's rows and the training clock, read only at
+    logging steps (on a GPU it waits for the kernels)."""
 
     def __init__(self, plan, log_every, device, start_step=0, log_dir=None):
         self.total_steps, self.log_every = plan.total_steps, log_every
@@ -103,11 +101,9 @@ class Progress:
 
 
 class MetricsLog:
-    """--log-dir's metrics.csv: a row per logging step and per evaluation, flushed as written.
-
-    A resumed run keeps the rows up to its checkpoint's step (not that step's evaluation, which
-    it runs again): no step twice, none missing. TensorBoard's events beside it, if installed.
-    """
+    """--log-dir's metrics.csv: a row per logging step and per evaluation, flushed as written. A
+    resumed run keeps the rows up to its checkpoint's step (not that step's evaluation, which it
+    runs again): no step twice, none missing. TensorBoard's events beside it, if installed."""
 
     FIELDS = ["step", "epoch", "train_loss", "lr", "grad_norm", "samples_per_second"]
     FIELDS += ["test_loss", "test_accuracy"]
@@ -157,11 +153,8 @@ def _kept(row, start_step):  # a whole row from before the checkpoint, or its st
 
 
 class Profiler:
-    """--profile-steps A:B: torch.profiler from step A to B; each rank writes its trace.
-
-    Chrome or Perfetto JSON, to --log-dir/trace-rank<R>.json, and on a GPU its memory timeline
-    beside it (-memory.html).
-    """
+    """--profile-steps A:B: torch.profiler from step A to B; each rank writes its trace (Chrome or
+    Perfetto JSON) to --log-dir/trace-rank<R>.json, and on a GPU its memory timeline beside it."""
 
     def __init__(self, args, rank, device, start_step, total_steps):
         self.first, self.last = args.profile_steps or (0, -1)
