@@ -122,12 +122,12 @@ def transient(error):
     return None
 
 
-def _end(line, exit_code, rank=None, note=True):
-    """Say ``line`` (None: nothing), note it in torchrun's error file, and exit at once, with no
-    interpreter shutdown, where threads a failed run left behind could abort it."""
+def _end(line, exit_code, rank, note):
+    """Say ``line``, note it in torchrun's error file, and exit at once, with no interpreter
+    shutdown, where threads a failed run left behind could abort it."""
     for number in STOP_SIGNALS:  # said and noted, or neither: torchrun may be stopping it
         signal.signal(number, signal.SIG_IGN)
-    said = say(line, rank) if line else False
+    said = say(line, rank)
     here = rank is not None or os.environ.get("GROUP_RANK", "0") == "0"  # its node speaks
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path and note:  # torchrun's format, and what the launcher reads
@@ -141,9 +141,9 @@ def _end(line, exit_code, rank=None, note=True):
     os._exit(exit_code)
 
 
-def process_group_options(device, minutes=10):
+def process_group_options(device):
     """init_process_group's options: torchrun's ranks and store, or a group of one."""
-    timeout = timedelta(minutes=minutes)  # a collective that waits longer fails: no hang
+    timeout = timedelta(minutes=10)  # a collective that waits longer fails: no hang
     if "RANK" not in os.environ:  # plain `python train_*.py`: every collective runs unchanged
         return dict(store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
