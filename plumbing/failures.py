@@ -122,12 +122,12 @@ def transient(error):
     return None
 
 
-def _end(line, exit_code, rank=None, note=True):
-    """Say ``line`` (None: nothing), note it in torchrun's error file, and exit at once, with no
-    interpreter shutdown, where threads a failed run left behind could abort it."""
+def _end(line, exit_code, rank, note):
+    """Say ``line``, note it in torchrun's error file, and exit at once, with no interpreter
+    shutdown, where threads a failed run left behind could abort it."""
     for number in STOP_SIGNALS:  # said and noted, or neither: torchrun may be stopping it
         signal.signal(number, signal.SIG_IGN)
-    said = say(line, rank) if line else False
+    said = say(line, rank)
     here = rank is not None or os.environ.get("GROUP_RANK", "0") == "0"  # its node speaks
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path and note:  # torchrun's format, and what the launcher reads
@@ -141,18 +141,15 @@ def _end(line, exit_code, rank=None, note=True):
     os._exit(exit_code)
 
 
-def process_group_options(device, minutes=10):
+def process_group_options(device):
     """init_process_group's options: torchrun's ranks and store, or a group of one."""
-    timeout = timedelta(minutes=minutes)  # a collective that waits longer fails: no hang
+    timeout = timedelta(minutes=10)  # a collective that waits longer fails: no hang
     if "RANK" not in os.environ:  # plain `python train_*.py`: every collective runs unchanged
         return dict(store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return dict(
-        store=_store_for_this_attempt(timeout),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timeout,
-        device_id=device if device.type != "cpu" else None,  # a GPU's group connects at once
-    )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device_id = device if device.type != "cpu" else None  # a GPU's group connects at once
+    store = _store_for_this_attempt(timeout)
+    return dict(store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id)
 
 
 def _store_for_this_attempt(timeout):
@@ -177,8 +174,7 @@ def on_rank_0(work, what, share=True):
         except UsageError as error:
             problem = UsageError(str(error))
         except Exception as error:  # a bug too: its traceback here, its line on every rank
-            line = transient(error)
-            if line:
+            if line := transient(error):
                 problem = Retryable(line)
             else:
                 traceback.print_exc()
@@ -192,12 +188,10 @@ def on_rank_0(work, what, share=True):
 
 
 class StopSignals:
-    """Stop signals, recorded as they come, and the ranks' agreement on when to stop.
-
-    STOP_SIGNALS are a scheduler's SIGTERM, SLURM's SIGUSR1 warning, Ctrl-C's SIGINT, a closed
-    terminal's SIGHUP and SIGQUIT. A second signal, over a second later, ends the process: a
-    thread watches, as a rank blocked in a collective can't.
-    """
+    """Stop signals (a scheduler's SIGTERM, SLURM's SIGUSR1 warning, Ctrl-C's SIGINT, a closed
+    terminal's SIGHUP and SIGQUIT), recorded as they come, and the ranks' agreement on when to
+    stop. A second signal, over a second later, ends the process: a thread watches, as a rank
+    blocked in a collective can't."""
 
     SECONDS = 1.0  # of training between two agreements: the most a stop waits
 
@@ -242,11 +236,8 @@ class StopSignals:
 
     def stopped(self, step, total_steps, checkpoint_dir):
         """The Stopped to raise: exit code 128 + the signal, which schedulers requeue."""
-        if checkpoint_dir:
-            saved = f"checkpoint step-{step} is in {checkpoint_dir}; the same command resumes there"
-        else:
-            saved = "nothing was saved (no --checkpoint-dir)"
+        saved = f"checkpoint step-{step} is in {checkpoint_dir}; the same command resumes there"
+        saved = saved if checkpoint_dir else "nothing was saved (no --checkpoint-dir)"
         name = signal.Signals(self.agreed).name
-        return Stopped(
-            f"stopped by {name} at step {step} of {total_steps}: {saved}", 128 + self.agreed
-        )
+        line = f"stopped by {name} at step {step} of {total_steps}: {saved}"
+        return Stopped(line, 128 + self.agreed)

@@ -36,10 +36,9 @@ def number(kind, low, below=math.inf, above_low=False):
         value = kind(text)
         if math.isfinite(value) and (low < value if above_low else low <= value) and value < below:
             return value
+        least = "above" if above_low else "at least"
         upper = f" and below {below}" if below < math.inf else ""
-        raise argparse.ArgumentTypeError(
-            f"must be {'above' if above_low else 'at least'} {low}{upper}, got {text}"
-        )
+        raise argparse.ArgumentTypeError(f"must be {least} {low}{upper}, got {text}")
 
     parse.__name__ = kind.__name__  # argparse's "invalid int value: 'abc'"
     return parse
@@ -68,51 +67,20 @@ def parser(description, *more):
     add("--weight-decay", type=number(float, 0), help="(default: 0.01 adamw, 5e-4 sgd)")
     add("--scale-lr", action="store_true", help="lr *= global_batch_size / base_batch_size")
     add("--base-batch-size", type=number(int, 1), default=64, help="the global batch --lr fits")
-    add(
-        "--warmup-steps",
-        type=number(int, 0),
-        help="linear warmup steps, at most half the run "
-        "(default: 100, or a fifth of a run shorter than 500 steps)",
-    )
+    add("--warmup-steps", type=number(int, 0), help="(default: 100, at most a fifth of the run)")
     add("--max-grad-norm", type=positive, help="clip gradients to this global L2 norm (logged)")
-    add(
-        "--device",
-        choices=("auto", "cuda", "cpu"),
-        default="auto",
-        help="auto: this rank's GPU (cuda:LOCAL_RANK) if there is one, else the CPU",
-    )
-    add(
-        "--precision",
-        choices=("fp32", "bf16", "fp64"),
-        default="fp32",
-        help="bf16: autocast forward; fp64: for tests",
-    )
+    add("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: a GPU if any")
+    add("--precision", choices=("fp32", "bf16", "fp64"), default="fp32", help="bf16: autocast")
     add("--compile", action="store_true", help="torch.compile the model (DDP) or each block (FSDP)")
     add("--seed", type=int, default=0, help="same initial weights and data order on every rank")
     add("--workers", type=number(int, 0), default=0, help="DataLoader processes per rank")
-    add(
-        "--log-every",
-        type=number(int, 1),
-        default=20,
-        help="steps between all-reduced losses "
-        "(a stop signal is honoured within about a second, whatever this is)",
-    )
+    add("--log-every", type=number(int, 1), default=20, help="steps between all-reduced losses")
     add("--no-eval", action="store_true", help="skip the test-set evaluation after each epoch")
     add("--checkpoint-dir", metavar="DIR", help="save checkpoints here; resume from the newest")
     add("--checkpoint-every", type=number(int, 1), default=100, help="steps between checkpoints")
     add("--keep-checkpoints", type=number(int, 1), default=2, help="how many of the newest to keep")
-    add(
-        "--init-from",
-        metavar="FILE",
-        help="start from these weights (--save's, "
-        "consolidate's, .safetensors) with a fresh optimizer; a checkpoint wins over it",
-    )
-    add(
-        "--resume-from",
-        metavar="STEP",
-        help="resume from this checkpoint, not the "
-        "newest: step-<N> in --checkpoint-dir, or a path; newer ones move to abandoned-step-<N>",
-    )
+    add("--init-from", metavar="FILE", help="start from these weights, with a fresh optimizer")
+    add("--resume-from", metavar="STEP", help="resume from step-<N> or a path, not the newest")
     add("--save", metavar="PATH", help="write the final weights as a plain state dict (rank 0)")
     add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")
     add("--log-dir", metavar="DIR", help="rank 0 appends a row per logging step to metrics.csv")
@@ -124,13 +92,9 @@ def parser(description, *more):
 
 
 class Plan:
-    """A run's arithmetic: steps per epoch, total steps, the global batch, each step's lr.
-
-    The lr of step s (from 0) is peak x min(1, (s + 1) / (warmup + 1)) x decay(s): a linear
-    warmup times, for --lr-schedule cosine, decay(s) = (1 + cos(pi s / total_steps)) / 2 (1 for
-    constant). The cosine runs from step 0, so the highest lr used, at the warmup's end, is
-    ``top_lr``: below the peak by the decay there (0.97 x for 100 warmup steps of 1,000).
-    """
+    """A run's arithmetic: steps per epoch, total steps, the global batch, each step's lr: a
+    linear warmup times, for --lr-schedule cosine, a cosine from step 0, so the highest lr used,
+    ``top_lr`` at the warmup's end, is below the peak (0.97 x for 100 warmup steps of 1,000)."""
 
     def __init__(self, args, samples, replicas, dataset_name, replica="ranks"):
         self.samples_per_step = args.batch_size * args.grad_accum  # per replica
@@ -141,14 +105,12 @@ class Plan:
                 f"the {samples} samples each of the {replicas} {replica} gets from {dataset_name}; "
                 "make it smaller"
             )
-        self.global_batch_size = self.samples_per_step * replicas
+        self.global_batch_size = batch = self.samples_per_step * replicas
         self.dataset_name = dataset_name
         whole = self.steps_per_epoch * args.epochs
-        self.total_steps = min(args.max_steps or whole, whole)
-        self.epochs = -(-self.total_steps // self.steps_per_epoch)
-        self.peak_lr, self.warmup_steps = peak_and_warmup(
-            args, self.global_batch_size, self.total_steps
-        )
+        self.total_steps = total = min(args.max_steps or whole, whole)
+        self.epochs = -(-total // self.steps_per_epoch)
+        self.peak_lr, self.warmup_steps = peak_and_warmup(args, batch, total)
         self.cosine = args.lr_schedule == "cosine"
 
     def lr(self, step):  # a function of the step: a resumed run goes on exactly
@@ -196,20 +158,15 @@ def pick_device(flag, local_rank):
     if processes > count:
         shown = os.environ.get("CUDA_VISIBLE_DEVICES")
         shown = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
-        if processes > 1:
-            need = f"{processes} processes on this node need {processes} GPUs"
-        else:
-            need = "--device cuda: a GPU"
-        if count:
-            way = f"start at most {count} per node (NPROC_PER_NODE={count})"
-        else:
-            way = "use a machine with GPUs and CUDA"
+        need = f"{processes} processes on this node need {processes} GPUs"
+        need = need if processes > 1 else "--device cuda: a GPU"
+        way = f"start at most {count} per node (NPROC_PER_NODE={count})"
+        way = way if count else "use a machine with GPUs and CUDA"
         raise NodeError(
             f"{need}, but torch sees {count}{shown}: {way}, or train on the CPU with --device cpu"
         )
-    device = torch.device(accelerator.type, local_rank)
     torch.accelerator.set_device_index(local_rank)
-    return device
+    return torch.device(accelerator.type, local_rank)
 
 
 def dtype_of(args):  # the weights' dtype: bf16 runs fp32 weights under autocast
@@ -217,18 +174,15 @@ def dtype_of(args):  # the weights' dtype: bf16 runs fp32 weights under autocast
 
 
 def autocast(args, device):  # bf16 autocast for the forward (CPU and GPU alike), or nothing
-    if args.precision != "bf16":
-        return nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    bf16 = args.precision == "bf16"
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
 
 class Batches:
     """Called with indices: (inputs, labels) of ``dataset`` there, a batch at a time, on ``device``.
-
-    A TensorDataset on the device is gathered by index; any other goes through one DataLoader
-    (pinned memory on a GPU; ``workers`` forked once and kept: a fork while another loader's
-    threads end can hang the child, CPython 3.11).
-    """
+    A TensorDataset on the device is gathered by index; any other goes through one DataLoader,
+    its ``workers`` forked once and kept: a fork while another loader's threads end can hang the
+    child, CPython 3.11."""
 
     def __init__(self, dataset, batch_size, device, dtype, workers=0, seed=0):
         self.dataset, self.batch_size, self.device, self.dtype = dataset, batch_size, device, dtype
@@ -261,12 +215,9 @@ class Batches:
 
 @torch.no_grad()
 def evaluate(forward, batches, rank, world_size, pipeline=False):
-    """This replica's [loss sum, correct, count] of ``forward`` on its slice, to all-reduce.
-
-    Over targets: logits (..., C), labels (...): a sample's or a token's. All replicas run as
-    many batches (FSDP gathers in each), padded with sample 0, uncounted; ``pipeline``: full
-    batches, and ``forward(inputs, labels)``.
-    """
+    """This replica's [loss sum, correct, count] of ``forward`` on its slice, to all-reduce, over
+    targets (a sample's or a token's). All replicas run as many batches (FSDP gathers in each),
+    padded with sample 0, uncounted; ``pipeline``: full batches, ``forward(inputs, labels)``."""
     size, count = batches.batch_size, len(batches.dataset)
     shard = torch.arange(count).tensor_split(world_size)[rank].tolist()
     longest = -(-count // world_size)

@@ -25,11 +25,9 @@ def log(line):
 
 
 class Progress:
-    """Rank 0's progress: a bar in a terminal, a line at each logging step elsewhere.
-
-    It keeps the loss curve ([step, loss, training seconds]), --log-dir's rows and the
-    training clock, read only at logging steps (on a GPU it waits for the kernels).
-    """
+    """Rank 0's progress: a bar in a terminal, else a line at each logging step. It keeps the loss
+    curve ([step, loss, training seconds]), --log-dir's rows and the training clock, read only at
+    logging steps (on a GPU it waits for the kernels)."""
 
     def __init__(self, plan, log_every, device, start_step=0, log_dir=None):
         self.total_steps, self.log_every = plan.total_steps, log_every
@@ -40,14 +38,9 @@ class Progress:
         self.grad_norms = []  # [step, the norm before clipping] at each logging step, if clipped
         self.device = device
         self.synchronize = torch.accelerator.synchronize if device.type != "cpu" else lambda: None
-        self.bar = tqdm(
-            total=self.total_steps,
-            initial=start_step,
-            unit="step",
-            file=sys.stdout,
-            dynamic_ncols=True,
-            disable=not (is_rank_0() and sys.stdout.isatty()),
-        )
+        shown = is_rank_0() and sys.stdout.isatty()  # rank 0's bar, in a terminal
+        options = dict(unit="step", file=sys.stdout, dynamic_ncols=True, disable=not shown)
+        self.bar = tqdm(total=self.total_steps, initial=start_step, **options)
         self.rows = MetricsLog(log_dir, start_step) if log_dir and is_rank_0() else None
 
     def start_epoch(self, epoch):  # the clock runs from here: every epoch ends with a logging step
@@ -80,20 +73,13 @@ class Progress:
             log(f"{step}: {label} {loss:.4f}, lr {lr:.3g}{norm}, {rate}")
         self.bar.set_postfix_str(f"{label} {loss:.4f}, {rate}")
         if self.rows:
-            self.rows.write(
-                step=self.step,
-                epoch=self.epoch + 1,
-                train_loss=loss,
-                lr=lr,
-                grad_norm=grad_norm,
-                samples_per_second=self.rate(),
-            )
+            row = {"step": self.step, "epoch": self.epoch + 1, "train_loss": loss, "lr": lr}
+            self.rows.write(**row, grad_norm=grad_norm, samples_per_second=self.rate())
 
     def record_test(self, test_loss, test_accuracy):  # the epoch's line, and its row
-        log(
-            f"epoch {self.epoch + 1}: step {self.step}, train loss {self.final_train_loss:.4f} "
-            f"{self.whose}, test loss {test_loss:.4f}, test accuracy {test_accuracy:.2%}"
-        )
+        train = f"train loss {self.final_train_loss:.4f} {self.whose}"
+        test = f"test loss {test_loss:.4f}, test accuracy {test_accuracy:.2%}"
+        log(f"epoch {self.epoch + 1}: step {self.step}, {train}, {test}")
         if self.rows:
             row = {"step": self.step, "epoch": self.epoch + 1, "test_loss": test_loss}
             self.rows.write(**row, test_accuracy=test_accuracy)
@@ -109,22 +95,15 @@ class Progress:
         return samples / max(self.train_seconds, 1e-9)
 
     def summary(self):
-        return {
-            "steps": self.step,
-            "train_seconds": self.train_seconds,
-            "samples_per_second": self.rate(),
-            "final_train_loss": self.final_train_loss,
-            "loss_curve": self.loss_curve,
-            "grad_norms": self.grad_norms,
-        }
+        run = {"steps": self.step, "train_seconds": self.train_seconds}
+        run |= {"samples_per_second": self.rate(), "final_train_loss": self.final_train_loss}
+        return run | {"loss_curve": self.loss_curve, "grad_norms": self.grad_norms}
 
 
 class MetricsLog:
-    """--log-dir's metrics.csv: a row per logging step and per evaluation, flushed as written.
-
-    A resumed run keeps the rows up to its checkpoint's step (not that step's evaluation, which
-    it runs again): no step twice, none missing. TensorBoard's events beside it, if installed.
-    """
+    """--log-dir's metrics.csv: a row per logging step and per evaluation, flushed as written. A
+    resumed run keeps the rows up to its checkpoint's step (not that step's evaluation, which it
+    runs again): no step twice, none missing. TensorBoard's events beside it, if installed."""
 
     FIELDS = ["step", "epoch", "train_loss", "lr", "grad_norm", "samples_per_second"]
     FIELDS += ["test_loss", "test_accuracy"]
@@ -174,11 +153,8 @@ def _kept(row, start_step):  # a whole row from before the checkpoint, or its st
 
 
 class Profiler:
-    """--profile-steps A:B: torch.profiler from step A to B; each rank writes its trace.
-
-    Chrome or Perfetto JSON, to --log-dir/trace-rank<R>.json, and on a GPU its memory timeline
-    beside it (-memory.html).
-    """
+    """--profile-steps A:B: torch.profiler from step A to B; each rank writes its trace (Chrome or
+    Perfetto JSON) to --log-dir/trace-rank<R>.json, and on a GPU its memory timeline beside it."""
 
     def __init__(self, args, rank, device, start_step, total_steps):
         self.first, self.last = args.profile_steps or (0, -1)
@@ -230,9 +206,8 @@ def flops_per_sample(model, inputs):
 def describe(args, plan, param_count, flops, unit="rank"):
     """The start line's figures: the batch per ``unit`` (a data-parallel replica), ..., steps."""
     replicas = plan.global_batch_size // plan.samples_per_step
-    top = ""
-    if plan.top_lr < plan.peak_lr:  # a cosine, from step 0
-        top = f"the cosine, from step 0, makes it {plan.top_lr:.3g} there; "
+    top = f"the cosine, from step 0, makes it {plan.top_lr:.3g} there; "
+    top = top if plan.top_lr < plan.peak_lr else ""
     return (
         f"batch {args.batch_size} per {unit} x grad-accum {args.grad_accum} x {replicas} "
         f"{unit}s = global batch {plan.global_batch_size}; peak lr {plan.peak_lr:g} after "
@@ -254,13 +229,9 @@ def throughput(flops, samples_per_second, world_size, device, precision, gpu_nam
     peak = peaks[0] if peaks and precision == "bf16" else None
     achieved = flops * samples_per_second  # the global batch's samples: all ranks together
     per_gpu = achieved / world_size
-    return {
-        "flops_per_sample": flops,
-        "flops_per_second": achieved,
-        "flops_per_second_per_gpu": per_gpu,
-        "peak_flops_per_gpu": peak,
-        "mfu": per_gpu / peak if peak else None,
-    }
+    speed = {"flops_per_sample": flops, "flops_per_second": achieved}
+    speed |= {"flops_per_second_per_gpu": per_gpu, "peak_flops_per_gpu": peak}
+    return speed | {"mfu": per_gpu / peak if peak else None}
 
 
 def memory(model, optimizer, device):
