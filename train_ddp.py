@@ -83,7 +83,7 @@ def main():
     profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
     window = []  # the micro-steps' losses since the last logging step, on the device
     stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
-    test_loss = test_accuracy = None  # stay None with --no-eval
+    norm = None  # the gradients' norm before clipping, with --max-grad-norm
     skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
     for epoch in range(resumed["epoch"], plan.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
@@ -106,8 +106,7 @@ def main():
             if args.max_grad_norm:  # all-reduced gradients: the same global norm everywhere
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             lr = plan.lr(progress.step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            training.set_lr(optimizer, lr)
             optimizer.step()
             progress.count_step()
             log_now = progress.is_logging_step(end_of_epoch=step_in_epoch == last - 1)
@@ -118,18 +117,15 @@ def main():
                 dist.all_reduce(window_loss)
                 mean_loss = window_loss.item() / (len(window) * world_size)
                 checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
-                grad_norm = norm.item() if args.max_grad_norm else None  # before clipping
-                progress.record_loss(mean_loss, "loss (all ranks)", lr, grad_norm)
+                progress.record_loss(mean_loss, "loss (all ranks)", lr, norm)
                 window.clear()
             profiler.after_step(progress.step)  # --profile-steps: starts or stops here
-            # Also at the last step: a job requeued after it finished has nothing left.
-            last_step = progress.step == plan.total_steps
-            if checkpointer.is_due(progress.step, now=stop_signal or last_step):
+            if checkpointer.is_due(progress.step, now=stop_signal):  # and at the last step
                 for buffer in model.buffers():  # each rank's statistics: rank 0's are saved
                     dist.broadcast(buffer, src=0)
                 # collective; it refuses weights or a loss that are not finite
                 checkpointer.save(progress.step, epoch, step_in_epoch + 1, model, optimizer, window)
-            if stop_signal and not last_step:  # at the last step it just finishes
+            if stop_signal and progress.step < plan.total_steps:  # the last step just ends
                 raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
 
         # ---- evaluate: each rank scores a slice of the test set; the sums are all-reduced ----
@@ -145,7 +141,7 @@ def main():
     if hasattr(train_set, "write") and failures.is_rank_0():  # text: what the model writes
         log(train_set.write(model.state_dict()))  # rank 0's replica is the whole model
     if args.metrics:
-        run = {"strategy": "ddp", "test_loss": test_loss, "test_accuracy": test_accuracy}
+        run = {"strategy": "ddp"}
         # collective: rank 0 gathers every rank's memory and writes the file
         watch.write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run)
 

@@ -77,8 +77,6 @@ def main():
     check_flags(args, world_size)
     mesh = make_mesh(args, device, world_size)  # pipeline ranks x data-parallel replicas
     dp, dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")  # replicas, and which is this
-    dp_group, pp_group = mesh.get_group("dp"), mesh.get_group("pp")  # its replicas; its pipeline
-    num_stages = mesh["pp"].size() * stages_per_rank(args)
 
     # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
     # collective: every rank sees what each found, so all train on the same data
@@ -94,8 +92,7 @@ def main():
     test_batches = training.Batches(test_set, args.batch_size, device, dtype, args.workers)
 
     # ---- model: whole on every rank, from the seed: train_ddp.py's weights, for any model ----
-    # Then each rank keeps only its stages' blocks. (A model too big for one device is built
-    # on the meta device instead, and each rank initialises its blocks: docs/pipeline.md.)
+    # Each rank keeps its stages' blocks (too big for one device: docs/pipeline.md)
     torch.manual_seed(args.seed)
     model = models.build(args, train_set, device, dtype)  # --model's, for the data's shapes
     if args.init_from:  # rank 0 reads the file and broadcasts each weight
@@ -106,14 +103,12 @@ def main():
     # ---- wrap: a PipelineStage per local stage, one schedule for all ----
     sample = next(test_batches([0]))[0][:1]  # one input, as the first stage gets it
     stages, stage_blocks = build_stages(model, args, sample, mesh, autocast)
-
     schedule = make_schedule(stages, args, dtype)
-    stage_indices = [stage.stage_index for stage in stages]
     optimizer = training.make_optimizer(args, model.parameters())
 
     # ---- resume: every rank loads its part of the newest checkpoint, if any ----
     resumed = checkpointer.resume(model, optimizer, log)  # collective
-    what = f"pipeline ({args.schedule}, {num_stages} stages: blocks {stage_blocks}, "
+    what = f"pipeline ({args.schedule}, {len(stage_blocks)} stages: blocks {stage_blocks}, "
     what += f"{args.microbatches} microbatches) x {dp} replica(s)"
     figures = watch.describe(args, plan, param_count, flops, "replica")
     log(f"{what} on {world_size} rank(s) ({backend}, {device.type}): {figures}")
@@ -123,7 +118,7 @@ def main():
     profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
     window = []  # the micro-steps' losses since the last logging step, on the device
     stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
-    test_loss = test_accuracy = None  # stay None with --no-eval
+    norm = None  # the gradients' norm before clipping, with --max-grad-norm
     skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
     for epoch in range(resumed["epoch"], plan.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
@@ -136,17 +131,14 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             for micro_step in range(args.grad_accum):
                 images, labels = next(batches)
-                # collective: the stages send each other activations and gradients
-                loss = forward_backward(schedule, stages, images, labels, args.grad_accum)
-                window.append(loss)  # 0 where no stage is the last
+                # collective: stages exchange activations and gradients; 0 off the last stage
+                window.append(forward_backward(schedule, stages, images, labels, args.grad_accum))
             grads = [p.grad for p in model.parameters() if p.grad is not None]  # its stages'
-            if dp > 1:  # collective: the mean with the stage's replicas
-                average_over_replicas(grads, dp_group)
+            average_over_replicas(grads, mesh.get_group("dp"))  # collective: over replicas
             if args.max_grad_norm:  # collective: the whole model's norm, every stage's
-                norm = clip_grad_norm(model, grads, args.max_grad_norm, pp_group)
+                norm = clip_grad_norm(model, grads, args.max_grad_norm, mesh.get_group("pp"))
             lr = plan.lr(progress.step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            training.set_lr(optimizer, lr)
             optimizer.step()
             progress.count_step()
             log_now = progress.is_logging_step(end_of_epoch=step_in_epoch == last - 1)
@@ -157,18 +149,15 @@ def main():
                 dist.all_reduce(window_loss)
                 mean_loss = window_loss.item() / (len(window) * dp)
                 checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
-                grad_norm = norm.item() if args.max_grad_norm else None  # before clipping
-                progress.record_loss(mean_loss, "loss (last stage)", lr, grad_norm)
+                progress.record_loss(mean_loss, "loss (last stage)", lr, norm)
                 window.clear()
             profiler.after_step(progress.step)  # --profile-steps: starts or stops here
-            # Also at the last step: a job requeued after it finished has nothing left.
-            last_step = progress.step == plan.total_steps
-            if checkpointer.is_due(progress.step, now=stop_signal or last_step):
+            if checkpointer.is_due(progress.step, now=stop_signal):  # and at the last step
                 for buffer in model.buffers():  # each replica's statistics: replica 0's saved
-                    dist.broadcast(buffer, group=dp_group, group_src=0)
+                    dist.broadcast(buffer, group=mesh.get_group("dp"), group_src=0)
                 # collective; it refuses weights or a loss that are not finite
                 checkpointer.save(progress.step, epoch, step_in_epoch + 1, model, optimizer, window)
-            if stop_signal and not last_step:  # at the last step it just finishes
+            if stop_signal and progress.step < plan.total_steps:  # the last step just ends
                 raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
 
         # ---- evaluate: each replica scores a slice of the test set; sums all-reduced ----
@@ -185,11 +174,10 @@ def main():
     if hasattr(train_set, "write"):  # text: rank 0 prints what the model writes
         log(train_set.write(gather_state_dict(model, mesh)))  # collective: every stage's
     if args.metrics:
-        run = {"strategy": "pipeline", "schedule": args.schedule, "stages": num_stages}
+        run = {"strategy": "pipeline", "schedule": args.schedule, "stages": len(stage_blocks)}
         run |= {"microbatches": args.microbatches, "data_parallel": args.data_parallel}
-        run |= {"test_loss": test_loss, "test_accuracy": test_accuracy}
-        blocks = [stage_blocks[i] for i in stage_indices]
-        run["rank_info"] = {"stages": stage_indices, "blocks": blocks}
+        here = [stage.stage_index for stage in stages]  # this rank's stages
+        run["rank_info"] = {"stages": here, "blocks": [stage_blocks[i] for i in here]}
         # collective: rank 0 gathers every rank's memory and writes the file
         watch.write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run)
 
@@ -285,7 +273,10 @@ def clip_grad_norm(model, grads, max_norm, pp_group):
 
 
 def average_over_replicas(grads, dp_group):
-    """Collective: each gradient becomes its mean over the stage's replicas, in one all-reduce."""
+    """Collective: each gradient becomes its mean over the stage's replicas, in one all-reduce
+    (none with one replica)."""
+    if dist.get_world_size(dp_group) == 1:
+        return
     flat = torch.cat([g.flatten() for g in grads])
     dist.all_reduce(flat, group=dp_group)
     replicas = dist.get_world_size(dp_group)

@@ -80,8 +80,7 @@ def main():
     test_batches = training.Batches(test_set, 512, device, dtype, args.workers)
 
     # ---- model: whole on every rank, from the seed: train_ddp.py's weights, for any model ----
-    # parallelize() keeps only this rank's part of each (a model too big for one device is
-    # built on the meta device instead: docs/fsdp.md says when and how).
+    # parallelize() keeps this rank's part of each (too big for one device: docs/fsdp.md)
     torch.manual_seed(args.seed)
     model = models.build(args, train_set, device, dtype)  # --model's, for the data's shapes
     if args.init_from:  # rank 0 reads the file and broadcasts each weight
@@ -91,8 +90,7 @@ def main():
 
     # ---- wrap: split each layer across the tp ranks, then shard them over dp ----
     parallelize(model, args, mesh)
-    # The optimizer after the split: before, it would hold the whole tensors it replaced.
-    optimizer = training.make_optimizer(args, model.parameters())
+    optimizer = training.make_optimizer(args, model.parameters())  # after: the split tensors
 
     # ---- resume: every rank loads its part of the newest checkpoint, if any ----
     resumed = checkpointer.resume(model, optimizer, log)  # collective
@@ -105,7 +103,7 @@ def main():
     profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
     window = []  # the micro-steps' losses since the last logging step, on the device
     stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
-    test_loss = test_accuracy = None  # stay None with --no-eval
+    norm = None  # the gradients' norm before clipping, with --max-grad-norm
     skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
     for epoch in range(resumed["epoch"], plan.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
@@ -129,31 +127,26 @@ def main():
             if args.max_grad_norm:  # collective: the global norm, from the shards' norms
                 norm = clip_grad_norm(model, args.max_grad_norm)
             lr = plan.lr(progress.step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            training.set_lr(optimizer, lr)
             optimizer.step()
             progress.count_step()
             log_now = progress.is_logging_step(end_of_epoch=step_in_epoch == last - 1)
             # collective at logging steps and about once a second: the ranks agree on a stop
             stop_signal = stop.agree_now(progress.step, log_now, device)
-            if log_now or stop_signal:  # one all-reduce per window: the mean over all ranks
-                # (a tp group's ranks hold the same loss, so the mean is the groups')
+            if log_now or stop_signal:  # one all-reduce per window: the mean of the tp groups'
                 window_loss = torch.stack(window).sum()
                 dist.all_reduce(window_loss)
                 mean_loss = window_loss.item() / (len(window) * world_size)
                 checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
-                grad_norm = norm.item() if args.max_grad_norm else None  # before clipping
-                progress.record_loss(mean_loss, "loss (all ranks)", lr, grad_norm)
+                progress.record_loss(mean_loss, "loss (all ranks)", lr, norm)
                 window.clear()
             profiler.after_step(progress.step)  # --profile-steps: starts or stops here
-            # Also at the last step: a job requeued after it finished has nothing left.
-            last_step = progress.step == plan.total_steps
-            if checkpointer.is_due(progress.step, now=stop_signal or last_step):
+            if checkpointer.is_due(progress.step, now=stop_signal):  # and at the last step
                 for buffer in model.buffers():  # each rank's statistics: rank 0's are saved
                     dist.broadcast(buffer, src=0)
                 # collective; it refuses weights or a loss that are not finite
                 checkpointer.save(progress.step, epoch, step_in_epoch + 1, model, optimizer, window)
-            if stop_signal and not last_step:  # at the last step it just finishes
+            if stop_signal and progress.step < plan.total_steps:  # the last step just ends
                 raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
 
         # ---- evaluate: each tp group scores a slice of the test set; sums all-reduced ----
@@ -171,7 +164,6 @@ def main():
         log(train_set.write(gather_full_state_dict(model)))  # collective: the shards gathered
     if args.metrics:
         run = {"strategy": "tp", "tp": args.tp, "mesh": list(mesh.shape)}
-        run |= {"test_loss": test_loss, "test_accuracy": test_accuracy}
         # collective: rank 0 gathers every rank's memory and writes the file
         watch.write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run)
     # torch 2.14's DTensor caches keep the mesh, and the mesh its group: let go of it

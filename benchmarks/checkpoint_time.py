@@ -40,13 +40,13 @@ try:
     parameters = sum(p.numel() for p in model.parameters())
     options = argparse.Namespace(checkpoint_dir=args.checkpoint_dir, keep_checkpoints=1)
     os.makedirs(args.checkpoint_dir, exist_ok=True)
-    checkpointer = checkpoints.Checkpointer(options, "synthetic", 64, torch.device("cpu"))
+    plan = argparse.Namespace(dataset_name="synthetic", global_batch_size=64, peak_lr=3e-3)
+    plan.total_steps = args.repeats + 1
+    checkpointer = checkpoints.Checkpointer(options, plan, torch.device("cpu"))
     seconds = []
     for step in range(args.repeats + 1):
         began = time.perf_counter()
-        checkpointer.save(
-            step, {"epoch": 0, "samples_into_epoch": 0}, model, optimizer, 3e-3, torch.zeros(())
-        )
+        checkpointer.save(step, 0, 0, model, optimizer, [torch.zeros(())])
         seconds.append(time.perf_counter() - began)
     saved = Path(args.checkpoint_dir) / f"step-{args.repeats}"
     files = sum(f.stat().st_size for f in saved.iterdir())

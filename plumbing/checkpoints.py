@@ -133,13 +133,16 @@ class Checkpointer:
 
     def __init__(self, args, plan, device):
         self.args, self.directory, self.device = args, args.checkpoint_dir, device
-        self.peak_lr, batch = plan.peak_lr, plan.global_batch_size
+        self.peak_lr, self.total_steps = plan.peak_lr, plan.total_steps
         self.layout = {"dataset": plan.dataset_name, "world_size": dist.get_world_size()}
-        self.layout |= {"global_batch_size": batch, "device": device.type}
+        self.layout |= {"global_batch_size": plan.global_batch_size, "device": device.type}
         self.branch = None  # (rank 0's) the --resume-from this run's checkpoints descend from
 
-    def is_due(self, step, now):  # at every --checkpoint-every steps, or ``now``
-        return bool(self.directory) and (now or step % self.args.checkpoint_every == 0)
+    def is_due(self, step, now):
+        """At every --checkpoint-every steps, ``now`` (a stop), and at the last step: a job
+        requeued after it finished then has nothing left to do."""
+        every, last = self.args.checkpoint_every, self.total_steps
+        return bool(self.directory) and (now or step % every == 0 or step == last)
 
     def save(self, step, epoch, steps_into_epoch, model, optimizer, losses):
         """Collective: save ``step-<N>`` if every weight, state and loss in ``losses`` is finite.

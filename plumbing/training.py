@@ -67,9 +67,9 @@ def parser(description, *more):
     add("--weight-decay", type=number(float, 0), help="(default: 0.01 adamw, 5e-4 sgd)")
     add("--scale-lr", action="store_true", help="lr *= global_batch_size / base_batch_size")
     add("--base-batch-size", type=number(int, 1), default=64, help="the global batch --lr fits")
-    add("--warmup-steps", type=number(int, 0), help="(default: 100, at most a fifth of the run)")
+    add("--warmup-steps", type=number(int, 0), help="linear warmup steps (default: 100 or a fifth)")
     add("--max-grad-norm", type=positive, help="clip gradients to this global L2 norm (logged)")
-    add("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: a GPU if any")
+    add("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: this rank's GPU")
     add("--precision", choices=("fp32", "bf16", "fp64"), default="fp32", help="bf16: autocast")
     add("--compile", action="store_true", help="torch.compile the model (DDP) or each block (FSDP)")
     add("--seed", type=int, default=0, help="same initial weights and data order on every rank")
@@ -135,6 +135,11 @@ def peak_and_warmup(args, global_batch_size, total_steps):
             f"give at most {total_steps // 2}"
         )
     return peak, warmup
+
+
+def set_lr(optimizer, lr):  # on every parameter group: the schedule's, not the optimizer's
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def make_optimizer(args, parameters):

@@ -36,6 +36,7 @@ class Progress:
         self.train_seconds, self.loss_curve, self.final_train_loss = 0.0, [], float("nan")
         self.whose = ""  # whose the logged loss is, as record_loss's label says
         self.grad_norms = []  # [step, the norm before clipping] at each logging step, if clipped
+        self.test_loss = self.test_accuracy = None  # the last evaluation's: none with --no-eval
         self.device = device
         self.synchronize = torch.accelerator.synchronize if device.type != "cpu" else lambda: None
         shown = is_rank_0() and sys.stdout.isatty()  # rank 0's bar, in a terminal
@@ -56,8 +57,10 @@ class Progress:
     def is_logging_step(self, end_of_epoch):  # the loss window is to be reduced and logged
         return self.step % self.log_every == 0 or self.step == self.total_steps or end_of_epoch
 
-    def record_loss(self, loss, label, lr, grad_norm=None):
-        """A logging step's loss: the bar, the line, --log-dir's row."""
+    def record_loss(self, loss, label, lr, norm=None):
+        """A logging step's loss: the bar, the line, --log-dir's row; ``norm``: the gradients'
+        (a tensor), before clipping."""
+        grad_norm = None if norm is None else norm.item()
         self.synchronize()
         now = time.perf_counter()
         self.train_seconds, self.started = self.train_seconds + now - self.started, now
@@ -77,6 +80,7 @@ class Progress:
             self.rows.write(**row, grad_norm=grad_norm, samples_per_second=self.rate())
 
     def record_test(self, test_loss, test_accuracy):  # the epoch's line, and its row
+        self.test_loss, self.test_accuracy = test_loss, test_accuracy
         train = f"train loss {self.final_train_loss:.4f} {self.whose}"
         test = f"test loss {test_loss:.4f}, test accuracy {test_accuracy:.2%}"
         log(f"epoch {self.epoch + 1}: step {self.step}, {train}, {test}")
@@ -97,6 +101,7 @@ class Progress:
     def summary(self):
         run = {"steps": self.step, "train_seconds": self.train_seconds}
         run |= {"samples_per_second": self.rate(), "final_train_loss": self.final_train_loss}
+        run |= {"test_loss": self.test_loss, "test_accuracy": self.test_accuracy}
         return run | {"loss_curve": self.loss_curve, "grad_norms": self.grad_norms}
 
 
