@@ -135,8 +135,8 @@ def main():
     progress.close()  # the bar's last state stays on the screen
 
     # ---- save: rank 0 writes the plain model's weights (no wrapper's "module." prefix) ----
-    if args.save:  # collective: what rank 0's write raises, every rank raises
-        checkpoints.save_on_rank_0(model.state_dict(), args.save)
+    if args.save:  # whatever rank 0's write raises, every rank raises
+        checkpoints.save_on_rank_0(model.state_dict(), args.save)  # collective
         log(f"saved the weights to {args.save}")
     if hasattr(train_set, "write") and failures.is_rank_0():  # text: what the model writes
         log(train_set.write(model.state_dict()))  # rank 0's replica is the whole model

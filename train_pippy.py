@@ -167,9 +167,9 @@ def main():
     progress.close()  # the bar's last state stays on the screen
 
     # ---- save: replica 0's stages send their weights to rank 0, which writes them ----
-    if args.save:  # collective: what rank 0's write raises, every rank raises
+    if args.save:  # whatever rank 0's write raises, every rank raises
         full_state = gather_state_dict(model, mesh)  # collective: replica 0's stages, on rank 0
-        checkpoints.save_on_rank_0(full_state, args.save)
+        checkpoints.save_on_rank_0(full_state, args.save)  # collective
         log(f"saved the weights to {args.save}")
     if hasattr(train_set, "write"):  # text: rank 0 prints what the model writes
         log(train_set.write(gather_state_dict(model, mesh)))  # collective: every stage's

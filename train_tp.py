@@ -156,9 +156,9 @@ def main():
     progress.close()  # the bar's last state stays on the screen
 
     # ---- save: every rank sends its shards; rank 0 gets the full state dict and writes ----
-    if args.save:  # collective: what rank 0's write raises, every rank raises
+    if args.save:  # whatever rank 0's write raises, every rank raises
         full_state = gather_full_state_dict(model)  # collective: in rank 0's CPU memory
-        checkpoints.save_on_rank_0(full_state, args.save)
+        checkpoints.save_on_rank_0(full_state, args.save)  # collective
         log(f"saved the weights to {args.save}")
     if hasattr(train_set, "write"):  # text: rank 0 prints what the model writes
         log(train_set.write(gather_full_state_dict(model)))  # collective: the shards gathered
