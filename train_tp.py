@@ -90,7 +90,7 @@ def main():
 
     # ---- wrap: split each layer across the tp ranks, then shard them over dp ----
     parallelize(model, args, mesh)
-    optimizer = training.make_optimizer(args, model.parameters())  # after: the split tensors
+    optimizer = training.make_optimizer(args, model.parameters())  # after the split: its parts
 
     # ---- resume: every rank loads its part of the newest checkpoint, if any ----
     resumed = checkpointer.resume(model, optimizer, log)  # collective
