@@ -17,7 +17,8 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
     def parse_known_args(self, args=None, namespace=None):  # twice: then with --model's defaults
-        first, namespace = super().parse_known_args(args)[0], namespace or argparse.Namespace()
+        first = super().parse_known_args(args)[0]  # the values given, with the plain defaults
+        namespace = namespace or argparse.Namespace()
         for flag, defaults in self.presets.items():  # {dest: {value: {dest: default}}}
             vars(namespace).update(defaults.get(getattr(first, flag), {}))  # a flag given wins
         return super().parse_known_args(args, namespace)
