@@ -51,6 +51,7 @@ from matplotlib.patches import Patch, Rectangle
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -189,8 +190,9 @@ def fsdp_steps(sharding, mesh):
 
     Returns, per recorded step, FSDP's own profiler ranges and our markers as (name, start ns, end
     ns) and the allocations as (time ns, bytes: + allocated, - freed, made by the training thread),
-    on the perf_counter_ns clock. The others come from gloo's own thread: buffers of its
-    collectives, freed when that thread gets to it."""
+    on the perf_counter_ns clock, and the bytes of the gathered weights FSDP held at the end of
+    forward. The others come from gloo's own thread: buffers of its collectives, freed when that
+    thread gets to it."""
     torch.manual_seed(0)
     model = BabyCNN(width=FSDP_WIDTH, device="meta")
     reshard = sharding != "grad-op"
@@ -205,6 +207,8 @@ def fsdp_steps(sharding, mesh):
     images = torch.randn(FSDP_BATCH, 1, 28, 28, generator=generator)
     labels = torch.randint(0, 10, (FSDP_BATCH,), generator=generator)
 
+    gathered = []  # per profiled step: bytes of the whole (gathered, not DTensor) weights held
+
     def step(profiled):
         # before the step's range: the gradients' memory is the last step's
         optimizer.zero_grad(set_to_none=True)
@@ -212,6 +216,9 @@ def fsdp_steps(sharding, mesh):
         with record_function("step") if profiled else nullcontext():
             with record_function("forward") if profiled else nullcontext():
                 loss = F.cross_entropy(model(images), labels)
+            if profiled:
+                weights = [p for p in model.parameters() if not isinstance(p, DTensor)]
+                gathered.append(sum(p.numel() * p.element_size() for p in weights))
             with record_function("backward") if profiled else nullcontext():
                 loss.backward()
             with record_function("optimizer step") if profiled else nullcontext():
@@ -251,11 +258,12 @@ def fsdp_steps(sharding, mesh):
         if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0  # 0: the CPU
     )
     steps = []
-    for _, start, end in [r for r in ranges if r[0] == "step"]:
+    for k, (_, start, end) in enumerate([r for r in ranges if r[0] == "step"]):
         steps.append(
             dict(
                 ranges=[r for r in ranges if start <= r[1] <= end],
                 allocations=[a for a in allocations if start <= a[0] <= end],
+                gathered_after_forward=gathered[k],
             )
         )
     return steps
@@ -548,6 +556,7 @@ def fsdp_data(records):
         parsed = [fsdp_events(s[k]) for s in steps]
         origin = min(step_range[0] for _, step_range, _ in parsed)
         order, collectives, times, curves, after_forward, peaks = [], [], [], [], [], []
+        gathered = [s[k]["gathered_after_forward"] for s in steps]
         for rank, (events, _, forward) in enumerate(parsed):
             order.append([name for name, _, _ in events])
             collectives.append(
@@ -573,7 +582,7 @@ def fsdp_data(records):
                 [name.split()[-1] for name in c["backward"] if name.startswith("all-gather")]
                 for c in collectives
             ],
-            after_forward_bytes=after_forward,
+            gathered_after_forward_bytes=gathered,
             times=dict(
                 events=times,
                 forward_end=[ms(forward[1], origin) for _, _, forward in parsed],
@@ -583,9 +592,11 @@ def fsdp_data(records):
             ),
         )
     # Not a matter of timing: at the end of forward grad-op still holds every block's gathered
-    # weights, full only the last block's (whose backward comes next). The peaks, in backward, lie
-    # too close to order them: the picture shows them, nothing checks them.
-    held = {s: shardings[s].pop("after_forward_bytes") for s in SHARDINGS}
+    # weights, full only the last block's (whose backward comes next). Counted from the weights
+    # FSDP holds, not from the allocations: which thread frees a collective's buffer, and when, is
+    # a race (a CI run once counted block 3's all-gather buffer as held). The peaks, in backward,
+    # lie too close to order them: the picture shows them, nothing checks them.
+    held = {s: shardings[s].pop("gathered_after_forward_bytes") for s in SHARDINGS}
     return dict(
         png="timeline_fsdp.png",
         world_size=WORLD,
