@@ -73,12 +73,14 @@ CHAINED = (
 
 
 def failure(stderr):
-    """What a failed configuration's stderr says about why: its workers' `error:` lines and the
-    traceback of the rank torchrun names as the first failure (without `error:` lines, else the last
-    traceback), then that rank's exit code; without torchrun's own traceback, ChildFailedError block
-    and log lines."""
+    """What a failed configuration's stderr says about why: its workers' `error:` lines (or the
+    first failed rank's, from torchrun's summary, if torchrun stopped rank 0 before it said it) and
+    the traceback of the rank torchrun names as the first failure (without `error:` lines, else
+    the last traceback), then that rank's exit code; without torchrun's own traceback,
+    ChildFailedError block and log lines."""
     lines = stderr.splitlines()
     root_rank = root_cause = None
+    noted = ""  # the first failed rank's line, as its error file has it (failures.run writes it)
     ends = [i for i, line in enumerate(lines) if line.startswith(CHILD_FAILED)]
     if ends:
         start = max((i for i in range(ends[-1]) if lines[i] == TRACEBACK), default=ends[-1])
@@ -92,6 +94,14 @@ def failure(stderr):
         exit_code = next(
             (line.split(":", 1)[1] for line in first if re.match(r"\s*exitcode\s*:", line)), ""
         )
+        noted = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in first
+                if re.match(r"\s*traceback\s*:", line)
+            ),
+            "",
+        )
         if (
             root_rank is not None
         ):  # "exitcode  : -9 (pid: 123)  (SIGKILL)": the code, and the signal if any
@@ -102,6 +112,8 @@ def failure(stderr):
             root_cause = f"torchrun: rank {root_rank} failed first, exit code {code}{signal_name}"
     lines = [line for line in lines if not TORCHRUN_LOG.match(line)]
     errors = [line for line in lines if RANK_PREFIX.sub("", line, count=1).startswith("error:")]
+    if not errors and noted.startswith("error:"):  # torchrun stopped rank 0 before it said it
+        errors = [noted]
     # The workers' tracebacks, each rank's apart (torch prefixes its lines, and ranks interleave),
     # plain ones together.
     streams = {}

@@ -208,6 +208,27 @@ def test_a_failed_configuration_reports_the_scripts_error_line_not_torchruns_sum
 
 @pytest.mark.slow
 @pytest.mark.pages
+def test_the_error_line_comes_from_the_failed_rank_when_torchrun_stops_rank_0_first(tmp_path):
+    """The race a CI run lost: rank 1 fails first, and torchrun stops rank 0 before it prints its
+    `error:` line. The line then comes from rank 1's error file, which torchrun's summary quotes."""
+    script = tmp_path / "rank_0_late.py"
+    script.write_text(
+        "import os, time\n"
+        "from plumbing import failures\n"
+        "def main():\n"
+        "    if os.environ['RANK'] == '0':\n"
+        "        time.sleep(60)  # torchrun stops it first\n"
+        "    raise failures.UsageError('rank 1 says why')\n"
+        "failures.run(main)\n"
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    message = failure_message([*command, script])
+    assert "error: rank 1 says why" in message.splitlines(), message
+    assert re.search(r"^torchrun: rank 1 failed first, exit code 2$", message, re.M), message
+
+
+@pytest.mark.slow
+@pytest.mark.pages
 def test_a_failed_configuration_reports_the_traceback_of_the_rank_that_failed_first(tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text("""
