@@ -257,7 +257,7 @@ def forward_backward(schedule, stages, images, labels, grad_accum):
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     losses = [] if last else None
     schedule.step(*([images] if first else []), target=labels if last else None, losses=losses)
-    if not last:
+    if not last:  # float32 on every rank: the window's all-reduce takes one dtype
         return torch.zeros((), device=images.device)
     return torch.stack(losses).detach().sum().float() * grad_accum  # loss_fn divided it
 
