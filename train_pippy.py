@@ -275,11 +275,11 @@ def clip_grad_norm(model, grads, max_norm, pp_group):
 def average_over_replicas(grads, dp_group):
     """Collective: each gradient becomes its mean over the stage's replicas, in one all-reduce
     (none with one replica)."""
-    if dist.get_world_size(dp_group) == 1:
+    replicas = dist.get_world_size(dp_group)
+    if replicas == 1:
         return
     flat = torch.cat([g.flatten() for g in grads])
     dist.all_reduce(flat, group=dp_group)
-    replicas = dist.get_world_size(dp_group)
     parts = flat.split([g.numel() for g in grads])
     torch._foreach_copy_(grads, [part.view_as(g) / replicas for g, part in zip(grads, parts)])
 

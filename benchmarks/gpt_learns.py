@@ -112,8 +112,7 @@ while step < args.steps:
     whole = len(indices) // args.batch_size * args.batch_size  # full batches, as drop_last
     for inputs, targets in train_batches(indices[:whole]):
         wall, cpu = time.perf_counter(), time.process_time()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
+        training.set_lr(optimizer, lr_at(step))
         loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

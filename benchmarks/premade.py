@@ -23,6 +23,5 @@ def optimizer(parameters):
     args = training.parser("benchmark").parse_args([])
     optimizer = training.make_optimizer(args, parameters)
     peak_lr, _ = training.peak_and_warmup(args, args.base_batch_size, total_steps=1)
-    for group in optimizer.param_groups:
-        group["lr"] = peak_lr
+    training.set_lr(optimizer, peak_lr)
     return optimizer

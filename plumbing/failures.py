@@ -236,8 +236,10 @@ class StopSignals:
 
     def stopped(self, step, total_steps, checkpoint_dir):
         """The Stopped to raise: exit code 128 + the signal, which schedulers requeue."""
-        saved = f"checkpoint step-{step} is in {checkpoint_dir}; the same command resumes there"
-        saved = saved if checkpoint_dir else "nothing was saved (no --checkpoint-dir)"
+        if checkpoint_dir:
+            saved = f"checkpoint step-{step} is in {checkpoint_dir}; the same command resumes there"
+        else:
+            saved = "nothing was saved (no --checkpoint-dir)"
         name = signal.Signals(self.agreed).name
         line = f"stopped by {name} at step {step} of {total_steps}: {saved}"
         return Stopped(line, 128 + self.agreed)

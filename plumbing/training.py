@@ -164,10 +164,14 @@ def pick_device(flag, local_rank):
     if processes > count:
         shown = os.environ.get("CUDA_VISIBLE_DEVICES")
         shown = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
-        need = f"{processes} processes on this node need {processes} GPUs"
-        need = need if processes > 1 else "--device cuda: a GPU"
-        way = f"start at most {count} per node (NPROC_PER_NODE={count})"
-        way = way if count else "use a machine with GPUs and CUDA"
+        if processes > 1:
+            need = f"{processes} processes on this node need {processes} GPUs"
+        else:
+            need = "--device cuda: a GPU"
+        if count:
+            way = f"start at most {count} per node (NPROC_PER_NODE={count})"
+        else:
+            way = "use a machine with GPUs and CUDA"
         raise NodeError(
             f"{need}, but torch sees {count}{shown}: {way}, or train on the CPU with --device cpu"
         )

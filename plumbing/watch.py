@@ -211,8 +211,9 @@ def flops_per_sample(model, inputs):
 def describe(args, plan, param_count, flops, unit="rank"):
     """The start line's figures: the batch per ``unit`` (a data-parallel replica), ..., steps."""
     replicas = plan.global_batch_size // plan.samples_per_step
-    top = f"the cosine, from step 0, makes it {plan.top_lr:.3g} there; "
-    top = top if plan.top_lr < plan.peak_lr else ""
+    top = ""
+    if plan.top_lr < plan.peak_lr:  # a cosine, from step 0
+        top = f"the cosine, from step 0, makes it {plan.top_lr:.3g} there; "
     return (
         f"batch {args.batch_size} per {unit} x grad-accum {args.grad_accum} x {replicas} "
         f"{unit}s = global batch {plan.global_batch_size}; peak lr {plan.peak_lr:g} after "
