@@ -8,14 +8,13 @@ Launch (the README and run_ddp.sh use the same commands):
 Through the wrapper: `bash run_ddp.sh [flags]`; for two nodes, on each node,
 `NNODES=2 NODE_RANK=0|1 MASTER_ADDR=node0 MASTER_PORT=29500 bash run_ddp.sh [flags]`.
 
-What DDP changes compared with one process:
-  setup  every process joins a process group (NCCL on GPUs, gloo on CPUs)
-  data   DistributedSampler hands each rank a disjoint shard of each epoch's shuffled order
-  wrap   DDP(model) broadcasts rank 0's weights, then all-reduces gradients during backward
-         (one process has nothing to average: the plain model trains alone)
-  loop   no_sync() skips that all-reduce on all but the last micro-step of accumulation
-  save   only rank 0 writes the plain model's weights (the wrapper's .module)
-Every collective is called here, or in a call marked "collective" (every rank must make it).
+What DDP adds to a one-process loop:
+  setup  a process group: NCCL on GPUs, gloo on CPUs
+  data   DistributedSampler: each rank a disjoint shard of the epoch's order
+  wrap   DDP(model): rank 0's weights everywhere; backward all-reduces gradients
+  loop   no_sync() on all but the last micro-step of accumulation
+  save   rank 0 writes the plain model's weights (the wrapper's .module)
+Every collective is called here, or in a call marked "collective".
 """
 
 import os
@@ -38,42 +37,42 @@ def main():
     args = parser.parse_args()
 
     # ---- setup: one process per device, all of them in one process group ----
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks its device
-    device = training.pick_device(args.device, local_rank)  # one line if too few GPUs
-    # Find (or download) the data first: no collective's timeout runs during a download.
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # picks the device
+    device = training.pick_device(args.device, local_rank)
+    # Before the process group: no collective's timeout runs during a download.
     found = data.find(args.dataset, args.data_dir, download=not args.no_download, model=args.model)
-    backend = dist.get_default_backend_for_device(device)  # NCCL on NVIDIA GPUs, gloo on CPUs
+    backend = dist.get_default_backend_for_device(device)  # NCCL or gloo
     dist.init_process_group(backend, **failures.process_group_options(device))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dtype, autocast = training.dtype_of(args), training.autocast(args, device)
 
-    # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
-    # collective: every rank sees what each found, so all train on the same data
+    # ---- data: the sampler deals each rank its share ----
+    # collective: all ranks train on the same data
     dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
-    # drop_last: else the sampler pads the shards by repeating samples, counted twice.
+    # drop_last: no samples repeated to pad the shards
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed, drop_last=True)
     plan = training.Plan(args, len(sampler), world_size, dataset_name)
     checkpointer = checkpoints.Checkpointer(args, plan, device)
-    checkpointer.check_outputs()  # collective: rank 0 tries a write where each output goes
-    seed = hash((args.seed, rank))  # this rank's DataLoader workers' random streams
+    checkpointer.check_outputs()  # collective: fails now, not after training
+    seed = hash((args.seed, rank))  # for this rank's DataLoader workers
     train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
     test_batches = training.Batches(test_set, 512, device, dtype, args.workers)
 
     # ---- model: the same initial weights on every rank, from the seed ----
     torch.manual_seed(args.seed)
-    model = models.build(args, train_set, device, dtype)  # --model's, for the data's shapes
-    if args.init_from:  # rank 0 reads the file and broadcasts each weight
+    model = models.build(args, train_set, device, dtype)  # --model, for the data
+    if args.init_from:
         checkpoints.init_from(model, args.init_from, log)  # collective
     param_count = sum(p.numel() for p in model.parameters())
-    flops = watch.flops_per_sample(model, next(test_batches([0]))[0])  # forward + backward
+    flops = watch.flops_per_sample(model, next(test_batches([0]))[0])
     keep_grads = compile_model(model, args, device)  # --compile
 
-    # ---- wrap: DDP keeps a full replica here and averages gradients across ranks ----
+    # ---- wrap: a full replica here; DDP averages gradients across ranks ----
     ddp_model = wrap_ddp(model, device, world_size)
     no_sync = ddp_model.no_sync if world_size > 1 else nullcontext
     optimizer = training.make_optimizer(args, model.parameters())
 
-    # ---- resume: every rank loads its part of the newest checkpoint, if any ----
+    # ---- resume: from the newest checkpoint, if any ----
     resumed = checkpointer.resume(model, optimizer, log)  # collective
     what = f"DDP on {world_size} rank(s)" if world_size > 1 else "one process, no DDP wrapper"
     log(f"{what} ({backend}, {device.type}): {watch.describe(args, plan, param_count, flops)}")
@@ -81,12 +80,12 @@ def main():
     # ---- train loop ----
     progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
     profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
-    window = []  # the micro-steps' losses since the last logging step, on the device
-    stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
-    norm = None  # the gradients' norm before clipping, with --max-grad-norm
-    skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
+    window = []  # micro-step losses since the last log, on the device
+    stop = failures.StopSignals(resumed["step"])  # records signals as they come
+    norm = None  # before clipping, with --max-grad-norm
+    skip = resumed["samples_into_epoch"] // plan.global_batch_size  # done this epoch
     for epoch in range(resumed["epoch"], plan.epochs):
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        sampler.set_epoch(epoch)  # a new shuffle, the same on every rank
         model.train()
         progress.start_epoch(epoch)
         first, skip = skip, 0
@@ -96,61 +95,61 @@ def main():
             optimizer.zero_grad(set_to_none=not keep_grads)
             for micro_step in range(args.grad_accum):
                 images, labels = next(batches)
-                # no_sync: keep gradients local; the last micro-step all-reduces their sum
+                # no_sync: local gradients; the last micro-step all-reduces the sum
                 last_micro_step = micro_step == args.grad_accum - 1
                 with nullcontext() if last_micro_step else no_sync():
-                    with autocast:  # (..., C) logits of (...) targets: an image's or each token's
+                    with autocast:  # logits (..., C), targets (...)
                         loss = F.cross_entropy(ddp_model(images).flatten(0, -2), labels.flatten())
                     (loss / args.grad_accum).backward()  # the mean over micro-steps
                 window.append(loss.detach())
-            if args.max_grad_norm:  # all-reduced gradients: the same global norm everywhere
+            if args.max_grad_norm:  # gradients all-reduced: one global norm
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             lr = plan.lr(progress.step)
             training.set_lr(optimizer, lr)
             optimizer.step()
             progress.count_step()
             log_now = progress.is_logging_step(end_of_epoch=step_in_epoch == last - 1)
-            # collective at logging steps and about once a second: the ranks agree on a stop
+            # collective, about once a second: the ranks agree on a stop
             stop_signal = stop.agree_now(progress.step, log_now, device)
-            if log_now or stop_signal:  # one all-reduce per window: the mean over all ranks
+            if log_now or stop_signal:  # one all-reduce per window
                 window_loss = torch.stack(window).sum()
                 dist.all_reduce(window_loss)
                 mean_loss = window_loss.item() / (len(window) * world_size)
-                checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
+                checkpointer.refuse_divergence(progress.step, mean_loss)
                 progress.record_loss(mean_loss, "loss (all ranks)", lr, norm)
                 window.clear()
-            profiler.after_step(progress.step)  # --profile-steps: starts or stops here
-            if checkpointer.is_due(progress.step, now=stop_signal):  # and at the last step
-                for buffer in model.buffers():  # each rank's statistics: rank 0's are saved
+            profiler.after_step(progress.step)  # --profile-steps
+            if checkpointer.is_due(progress.step, now=stop_signal):
+                for buffer in model.buffers():  # rank 0's statistics are saved
                     dist.broadcast(buffer, src=0)
-                # collective; it refuses weights or a loss that are not finite
+                # collective; refuses what is not finite
                 checkpointer.save(progress.step, epoch, step_in_epoch + 1, model, optimizer, window)
             if stop_signal and progress.step < plan.total_steps:  # the last step just ends
                 raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
 
-        # ---- evaluate: each rank scores a slice of the test set; the sums are all-reduced ----
+        # ---- evaluate: each rank scores a slice; the sums are all-reduced ----
         if not args.no_eval:
             test_loss, test_accuracy = evaluate(model, test_batches, autocast)
-            progress.record_test(test_loss, test_accuracy)  # the epoch's line, and a row
-    progress.close()  # the bar's last state stays on the screen
+            progress.record_test(test_loss, test_accuracy)
+    progress.close()
 
-    # ---- save: rank 0 writes the plain model's weights (no wrapper's "module." prefix) ----
-    if args.save:  # whatever rank 0's write raises, every rank raises
+    # ---- save: rank 0 writes the plain model's weights (no "module.") ----
+    if args.save:
         checkpoints.save_on_rank_0(model.state_dict(), args.save)  # collective
         log(f"saved the weights to {args.save}")
-    if hasattr(train_set, "write") and failures.is_rank_0():  # text: what the model writes
-        log(train_set.write(model.state_dict()))  # rank 0's replica is the whole model
+    if hasattr(train_set, "write") and failures.is_rank_0():  # text: a sample
+        log(train_set.write(model.state_dict()))  # a replica is the whole model
     if args.metrics:
         run = {"strategy": "ddp"}
-        # collective: rank 0 gathers every rank's memory and writes the file
+        # collective: rank 0 gathers each rank's memory
         watch.write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run)
 
 
 def compile_model(model, args, device):
-    """--compile: the whole model in place (names stay); on a GPU, with CUDA graphs.
+    """--compile: the whole model in place (names stay); with CUDA graphs on a GPU.
 
-    A CUDA graph's replay reuses its outputs' memory: gradients summed over micro-steps need
-    buffers of their own, kept and zeroed each step. Returns whether they are kept.
+    A graph's replay reuses its outputs' memory: gradients summed over micro-steps
+    need buffers of their own, kept and zeroed. Returns whether they are kept.
     """
     if not args.compile:
         return False
@@ -164,8 +163,8 @@ def compile_model(model, args, device):
 def wrap_ddp(model, device, world_size):
     """DDP around ``model``, or the plain model alone on one process.
 
-    One process has nothing to average (benchmarks/bare_loop.py --ddp measures what DDP's hooks
-    would cost it). DDP broadcasts rank 0's weights; gradients become views of its buckets.
+    One process has nothing to average (benchmarks/bare_loop.py --ddp measures
+    what DDP's hooks cost). Gradients become views of DDP's buckets.
     """
     if world_size == 1:
         return model
@@ -174,8 +173,8 @@ def wrap_ddp(model, device, world_size):
 
 
 def evaluate(model, test_batches, autocast):
-    """Collective: the test loss and accuracy over every rank's slice, with rank 0's statistics."""
-    for buffer in model.buffers():  # BatchNorm's statistics: rank 0's, which it saves
+    """Collective: the test loss and accuracy, with rank 0's statistics."""
+    for buffer in model.buffers():  # BatchNorm's: rank 0's, as saved
         dist.broadcast(buffer, src=0)
     model.eval()
     with autocast:  # loss sum, correct, count on this rank
@@ -185,4 +184,4 @@ def evaluate(model, test_batches, autocast):
 
 
 if __name__ == "__main__":
-    failures.run(main, data.DataError)  # one-line errors; under torchrun, die with it
+    failures.run(main, data.DataError)  # one-line errors, exit codes

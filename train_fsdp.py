@@ -9,12 +9,12 @@ Through the wrapper: `bash run_fsdp.sh [flags]`; for two nodes, on each node,
 `NNODES=2 NODE_RANK=0|1 MASTER_ADDR=node0 MASTER_PORT=29500 bash run_fsdp.sh [flags]`.
 
 What FSDP changes compared with train_ddp.py:
-  setup  a device mesh: 1-D to shard over all ranks, 2-D (replicate x shard) for hybrid sharding
-  wrap   fully_shard() on each block, then on the root: each rank keeps a shard of every
-         parameter (the model is built whole, as in train_ddp.py, so any model's init is right)
-  loop   set_requires_gradient_sync(False) instead of no_sync(); bf16 through MixedPrecisionPolicy
-  save   get_model_state_dict(full_state_dict=True) gathers the shards; rank 0 writes them
-Every collective is called here, or in a call marked "collective" (every rank must make it).
+  setup  a device mesh: 1-D (shard), or 2-D (replicate x shard) for hybrid
+  wrap   fully_shard() on each block, then the root: a rank keeps a shard of
+         each parameter (of the model built whole, so any model's init is right)
+  loop   set_requires_gradient_sync(False), not no_sync(); MixedPrecisionPolicy
+  save   get_model_state_dict(full_state_dict=True) gathers; rank 0 writes
+Every collective is called here, or in a call marked "collective".
 """
 
 import os
@@ -43,46 +43,46 @@ from plumbing.watch import log
 
 def main():
     parser = training.parser(__doc__.splitlines()[0], data.add_arguments)
-    add_arguments(parser)  # this strategy's flags
+    add_arguments(parser)
     args = parser.parse_args()
 
     # ---- setup: one process per device, all of them in one process group ----
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks its device
-    device = training.pick_device(args.device, local_rank)  # one line if too few GPUs
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # picks the device
+    device = training.pick_device(args.device, local_rank)
     check_flags(args, device)
-    # Find (or download) the data first: no collective's timeout runs during a download.
+    # Before the process group: no collective's timeout runs during a download.
     found = data.find(args.dataset, args.data_dir, download=not args.no_download, model=args.model)
-    backend = dist.get_default_backend_for_device(device)  # NCCL on NVIDIA GPUs, gloo on CPUs
+    backend = dist.get_default_backend_for_device(device)  # NCCL or gloo
     dist.init_process_group(backend, **failures.process_group_options(device))
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    dtype = training.dtype_of(args)  # bf16 comes from MixedPrecisionPolicy below
-    mesh = make_mesh(args, device, world_size)  # 1-D, or 2-D for hybrid sharding
-    # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
-    # collective: every rank sees what each found, so all train on the same data
+    dtype = training.dtype_of(args)  # bf16: MixedPrecisionPolicy
+    mesh = make_mesh(args, device, world_size)  # 2-D for hybrid
+    # ---- data: the sampler deals each rank its share ----
+    # collective: all ranks train on the same data
     dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
-    # drop_last: else the sampler pads the shards by repeating samples, counted twice.
+    # drop_last: no samples repeated to pad the shards
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed, drop_last=True)
     plan = training.Plan(args, len(sampler), world_size, dataset_name)
     checkpointer = checkpoints.Checkpointer(args, plan, device)
-    checkpointer.check_outputs()  # collective: rank 0 tries a write where each output goes
-    seed = hash((args.seed, rank))  # this rank's DataLoader workers' random streams
+    checkpointer.check_outputs()  # collective: fails now, not after training
+    seed = hash((args.seed, rank))  # for this rank's DataLoader workers
     train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
     test_batches = training.Batches(test_set, 512, device, dtype, args.workers)
 
-    # ---- model: whole on every rank, from the seed: train_ddp.py's weights, for any model ----
-    # fully_shard keeps this rank's shard of each (too big for one device: docs/fsdp.md)
+    # ---- model: whole on every rank, from the seed, as in train_ddp.py ----
+    # fully_shard keeps a shard of each (too big for a device: docs/fsdp.md)
     torch.manual_seed(args.seed)
-    model = models.build(args, train_set, device, dtype)  # --model's, for the data's shapes
-    if args.init_from:  # rank 0 reads the file and broadcasts each weight
+    model = models.build(args, train_set, device, dtype)  # --model, for the data
+    if args.init_from:
         checkpoints.init_from(model, args.init_from, log)  # collective
     param_count = sum(p.numel() for p in model.parameters())
-    flops = watch.flops_per_sample(model, next(test_batches([0]))[0])  # forward + backward
+    flops = watch.flops_per_sample(model, next(test_batches([0]))[0])
 
     # ---- wrap: shard each block (one all-gather unit each), then the root ----
-    units = shard(model, args, mesh)  # "N units, the largest P% of the parameters"
+    units = shard(model, args, mesh)  # "N units, the largest P% of ..."
     optimizer = training.make_optimizer(args, model.parameters())
 
-    # ---- resume: every rank loads its part of the newest checkpoint, if any ----
+    # ---- resume: from the newest checkpoint, if any ----
     resumed = checkpointer.resume(model, optimizer, log)  # collective
     recompute = ", activation checkpointing" if args.activation_checkpointing else ""
     what = f"FSDP ({args.sharding}{recompute}, mesh {tuple(mesh.shape)}, {units})"
@@ -92,12 +92,12 @@ def main():
     # ---- train loop ----
     progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
     profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
-    window = []  # the micro-steps' losses since the last logging step, on the device
-    stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
-    norm = None  # the gradients' norm before clipping, with --max-grad-norm
-    skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
+    window = []  # micro-step losses since the last log, on the device
+    stop = failures.StopSignals(resumed["step"])  # records signals as they come
+    norm = None  # before clipping, with --max-grad-norm
+    skip = resumed["samples_into_epoch"] // plan.global_batch_size  # done this epoch
     for epoch in range(resumed["epoch"], plan.epochs):
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        sampler.set_epoch(epoch)  # a new shuffle, the same on every rank
         model.train()
         progress.start_epoch(epoch)
         first, skip = skip, 0
@@ -107,58 +107,58 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             for micro_step in range(args.grad_accum):
                 images, labels = next(batches)
-                # Keep unsharded gradients local; the last micro-step reduce-scatters their sum
+                # Unsharded local gradients; the last micro-step reduce-scatters the sum
                 last_micro_step = micro_step == args.grad_accum - 1
                 model.set_requires_gradient_sync(last_micro_step)
-                # (..., C) logits of (...) targets: an image's or each token's
+                # logits (..., C), targets (...)
                 loss = F.cross_entropy(model(images).flatten(0, -2), labels.flatten())
                 (loss / args.grad_accum).backward()  # the mean over micro-steps
                 window.append(loss.detach())
-            if args.max_grad_norm:  # collective: the global norm, from the shards' norms
+            if args.max_grad_norm:  # collective: the shards' global norm
                 norm = clip_grad_norm(model, args.max_grad_norm)
             lr = plan.lr(progress.step)
             training.set_lr(optimizer, lr)
             optimizer.step()
             progress.count_step()
             log_now = progress.is_logging_step(end_of_epoch=step_in_epoch == last - 1)
-            # collective at logging steps and about once a second: the ranks agree on a stop
+            # collective, about once a second: the ranks agree on a stop
             stop_signal = stop.agree_now(progress.step, log_now, device)
-            if log_now or stop_signal:  # one all-reduce per window: the mean over all ranks
+            if log_now or stop_signal:  # one all-reduce per window
                 window_loss = torch.stack(window).sum()
                 dist.all_reduce(window_loss)
                 mean_loss = window_loss.item() / (len(window) * world_size)
-                checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
+                checkpointer.refuse_divergence(progress.step, mean_loss)
                 progress.record_loss(mean_loss, "loss (all ranks)", lr, norm)
                 window.clear()
-            profiler.after_step(progress.step)  # --profile-steps: starts or stops here
-            if checkpointer.is_due(progress.step, now=stop_signal):  # and at the last step
-                for buffer in model.buffers():  # each rank's statistics: rank 0's are saved
+            profiler.after_step(progress.step)  # --profile-steps
+            if checkpointer.is_due(progress.step, now=stop_signal):
+                for buffer in model.buffers():  # rank 0's statistics are saved
                     dist.broadcast(buffer, src=0)
-                # collective; it refuses weights or a loss that are not finite
+                # collective; refuses what is not finite
                 checkpointer.save(progress.step, epoch, step_in_epoch + 1, model, optimizer, window)
             if stop_signal and progress.step < plan.total_steps:  # the last step just ends
                 raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
 
-        # ---- evaluate: each rank scores a slice of the test set; the sums are all-reduced ----
+        # ---- evaluate: each rank scores a slice; the sums are all-reduced ----
         if not args.no_eval:
             test_loss, test_accuracy = evaluate(model, test_batches, mesh)
-            progress.record_test(test_loss, test_accuracy)  # the epoch's line, and a row
-    progress.close()  # the bar's last state stays on the screen
+            progress.record_test(test_loss, test_accuracy)
+    progress.close()
 
-    # ---- save: every rank sends its shards; rank 0 gets the full state dict and writes ----
-    if args.save:  # whatever rank 0's write raises, every rank raises
-        full_state = gather_full_state_dict(model)  # collective: in rank 0's CPU memory
+    # ---- save: rank 0 gathers every rank's shards and writes ----
+    if args.save:
+        full_state = gather_full_state_dict(model)  # collective
         checkpoints.save_on_rank_0(full_state, args.save)  # collective
         log(f"saved the weights to {args.save}")
-    if hasattr(train_set, "write"):  # text: rank 0 prints what the model writes
-        log(train_set.write(gather_full_state_dict(model)))  # collective: the shards gathered
+    if hasattr(train_set, "write"):  # text: rank 0 prints a sample
+        log(train_set.write(gather_full_state_dict(model)))  # collective
     if args.metrics:
         run = {"strategy": "fsdp", "sharding": args.sharding, "mesh": list(mesh.shape)}
         run |= {"activation_checkpointing": args.activation_checkpointing}
-        # collective: rank 0 gathers every rank's memory and writes the file
+        # collective: rank 0 gathers each rank's memory
         watch.write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run)
-    # torch 2.14's DTensor caches keep the mesh, and the mesh its group: let go of it
-    # (private; 2.9 has none), or gloo's threads live into shutdown, where they may abort.
+    # Let go of the mesh, which torch 2.14's DTensor caches keep (private; not in 2.9):
+    # else gloo's threads live into shutdown, where they may abort.
     getattr(mesh, "_pg_registry", {}).clear()
 
 
@@ -185,7 +185,7 @@ def add_arguments(parser):  # FSDP's flags
 
 
 def check_flags(args, device):
-    """Refuse FSDP's flags that cannot work together, before anything is built."""
+    """Refuse FSDP's flags that do not go together, before anything is built."""
     if args.cpu_offload and device.type != "cuda":
         raise failures.UsageError(
             "--cpu-offload needs GPUs: it keeps shards in CPU memory for GPU compute, "
@@ -195,7 +195,7 @@ def check_flags(args, device):
         raise failures.UsageError(
             f"--replicate-degree applies to --sharding hybrid only, not --sharding {args.sharding}"
         )
-    if args.cpu_offload and args.max_grad_norm:  # the shards' gradients are in CPU memory
+    if args.cpu_offload and args.max_grad_norm:  # gradients in CPU memory
         raise failures.UsageError(
             "--max-grad-norm with --cpu-offload: the gradients' norm is on the CPU, where NCCL "
             "cannot all-reduce it; drop one of them"
@@ -203,13 +203,13 @@ def check_flags(args, device):
 
 
 def gather_full_state_dict(model):
-    """Collective: every rank sends its shards; rank 0 gets the whole state dict, in CPU memory."""
+    """Collective: rank 0 gets the whole state dict, in CPU memory."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)
 
 
 def make_mesh(args, device, world_size):
-    """The device mesh FSDP shards over: every rank in one row, or R replica groups (rows)."""
+    """The mesh FSDP shards over: all ranks in one row, or a row per replica group."""
     if args.sharding != "hybrid":
         return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -224,28 +224,28 @@ def make_mesh(args, device, world_size):
 
 
 def shard(model, args, mesh):
-    """fully_shard each unit (one all-gather each), then the root. Returns the units in words."""
+    """fully_shard each unit (an all-gather each), then the root; the units in words."""
     units, words = shard_units(model)  # [(parent, name)]: BabyCNN's 4 blocks
-    if args.compile:  # each unit in place, so its class and names stay (as torchtitan does)
+    if args.compile:  # in place: class and names stay (as in torchtitan)
         for parent, name in units:
             getattr(parent, name).compile()
         log("--compile: each block, without CUDA graphs (FSDP frees and re-gathers weights)")
     mp_policy = MixedPrecisionPolicy()
-    if args.precision == "bf16":  # gather and compute in bf16, reduce in fp32, fp32 logits
+    if args.precision == "bf16":  # reduce and return logits in fp32
         mp_policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
         )
     offload = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
     options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
-    reshard = args.sharding != "grad-op"  # grad-op keeps gathered weights until backward
+    reshard = args.sharding != "grad-op"  # grad-op keeps them until backward
     for index, (parent, name) in enumerate(units):
         block = getattr(parent, name)
         if args.activation_checkpointing:
-            # Keep only the block's input for backward, which recomputes the rest with the
-            # weights it gathers anyway; the wrapper's state-dict hooks keep parameter names.
+            # Keep only the block's input: backward recomputes the rest with the weights
+            # it gathers anyway. The wrapper's state-dict hooks keep parameter names.
             block = checkpoint_wrapper(block)
             setattr(parent, name, block)
-        # Backward starts with the last block: resharding it after forward would only regather.
+        # Backward starts with the last block: resharding it would only regather.
         last = index == len(units) - 1
         fully_shard(block, reshard_after_forward=reshard and not last, **options)
     fully_shard(model, reshard_after_forward=reshard, **options)
@@ -253,13 +253,12 @@ def shard(model, args, mesh):
 
 
 def shard_units(model):
-    """The submodules fully_shard makes units of, as (parent, name), inner ones first, and the start
-    line's words on them. Each layer of a list of layers (nn.Sequential, nn.ModuleList: BabyCNN's
-    blocks, a BERT's bert.encoder.layer) wherever it sits, not inside another; then each child of
-    the model, around its layers. Each holds the parameters no unit before it holds, if any (else
-    it is no unit); the root holds the rest."""
+    """The submodules to shard, as (parent, name), inner ones first, and words on them:
+    each layer of a list of layers (nn.Sequential, nn.ModuleList: BabyCNN's blocks, a
+    BERT's bert.encoder.layer) not inside another, then each child of the model. A unit
+    holds the parameters no unit before it holds (none: no unit); the root the rest."""
 
-    def layers(module):  # the layers of the outermost lists of layers in module or under it
+    def layers(module):  # those of the outermost lists of layers in module
         if isinstance(module, (nn.Sequential, nn.ModuleList)):
             return [(module, name) for name, _ in module.named_children()]
         return [unit for child in module.children() for unit in layers(child)]
@@ -273,28 +272,27 @@ def shard_units(model):
 
 
 def clip_grad_norm(model, max_norm):
-    """Collective: clip the gradients, of which each rank holds shards, to their global norm;
-    returns that norm, before clipping."""
+    """Collective: clip the sharded gradients to their global norm, returned unclipped."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads)  # of the shards: "Partial"
-    norm = norm.full_tensor()  # collective: all-reduces into the global norm
+    norm = norm.full_tensor()  # collective: all-reduced
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
     return norm
 
 
 def evaluate(model, test_batches, mesh):
-    """Collective: the test loss and accuracy over every rank's slice, with rank 0's statistics."""
-    for buffer in model.buffers():  # BatchNorm's statistics: rank 0's, which it saves
+    """Collective: the test loss and accuracy, with rank 0's statistics."""
+    for buffer in model.buffers():  # BatchNorm's: rank 0's, as saved
         dist.broadcast(buffer, src=0)
     model.eval()
-    # Loss sum, correct, count on this rank; each forward all-gathers: every rank.
+    # Loss sum, correct, count here; each forward all-gathers: every rank runs it.
     totals = training.evaluate(model, test_batches, dist.get_rank(), dist.get_world_size())
     dist.all_reduce(totals)
-    for module in model.modules():  # no backward follows to free what these gathered
-        if isinstance(module, FSDPModule):  # (the last block; every block with grad-op)
+    for module in model.modules():  # no backward frees what these gathered
+        if isinstance(module, FSDPModule):  # the last block (all with grad-op)
             module.reshard()
     return (totals[:2] / totals[2]).tolist()
 
 
 if __name__ == "__main__":
-    failures.run(main, data.DataError)  # one-line errors; under torchrun, die with it
+    failures.run(main, data.DataError)  # one-line errors, exit codes

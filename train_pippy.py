@@ -10,15 +10,15 @@ Through the wrapper: `bash run_pippy.sh [flags]`; for two nodes, on each node,
 
 What pipeline parallelism changes compared with train_ddp.py:
   setup  a device mesh: pipeline ranks x data-parallel replicas (--data-parallel D)
-  model  built whole from the seed, as in train_ddp.py; model.blocks is cut into stages of about
-         equal FLOPs, and each rank keeps only its stages' blocks (the others become nn.Identity)
-  wrap   each local stage becomes a PipelineStage; a schedule (GPipe, 1F1B, interleaved, ...)
-         runs the microbatches through all of them
-  loop   schedule.step(): the first stage feeds inputs, the last stage computes the loss; the
-         logged loss comes from the last stage; with D > 1, after the last micro-step, one
-         all-reduce averages each stage's gradients across its replicas (as DDP would)
-  save   every stage's weights are gathered on rank 0, which writes one plain state dict
-Every collective is called here, or in a call marked "collective" (every rank must make it).
+  model  built whole; model.blocks is cut into stages of about equal FLOPs, and a
+         rank keeps only its stages' blocks (the others become nn.Identity)
+  wrap   a PipelineStage per local stage; a schedule (GPipe, 1F1B, ...) runs the
+         microbatches through all of them
+  loop   schedule.step(): the first stage feeds inputs, the last computes the loss
+         (the one logged); with D > 1, one all-reduce averages each stage's
+         gradients over its replicas after the last micro-step (as DDP would)
+  save   rank 0 gathers every stage's weights and writes one plain state dict
+Every collective is called here, or in a call marked "collective".
 """
 
 import functools
@@ -62,43 +62,42 @@ if torch.__version__ < (2, 14):  # three workarounds for older releases' stages
 
 def main():
     parser = training.parser(__doc__.splitlines()[0], data.add_arguments)
-    add_arguments(parser)  # this strategy's flags
+    add_arguments(parser)
     args = parser.parse_args()
 
     # ---- setup: one process per device, all of them in one process group ----
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks its device
-    device = training.pick_device(args.device, local_rank)  # one line if too few GPUs
-    # Find (or download) the data first: no collective's timeout runs during a download.
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # picks the device
+    device = training.pick_device(args.device, local_rank)
+    # Before the process group: no collective's timeout runs during a download.
     found = data.find(args.dataset, args.data_dir, download=not args.no_download, model=args.model)
-    backend = dist.get_default_backend_for_device(device)  # NCCL on NVIDIA GPUs, gloo on CPUs
+    backend = dist.get_default_backend_for_device(device)  # NCCL or gloo
     dist.init_process_group(backend, **failures.process_group_options(device))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dtype, autocast = training.dtype_of(args), training.autocast(args, device)
     check_flags(args, world_size)
-    mesh = make_mesh(args, device, world_size)  # pipeline ranks x data-parallel replicas
-    dp, dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")  # replicas, and which is this
+    mesh = make_mesh(args, device, world_size)  # (pp, dp)
+    dp, dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")  # replicas; this one
 
-    # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
-    # collective: every rank sees what each found, so all train on the same data
+    # ---- data: the sampler deals each rank its share ----
+    # collective: all ranks train on the same data
     dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
-    # Every stage of replica d walks the same shard d. drop_last: else the sampler pads the
-    # shards by repeating samples, counted twice.
+    # Every stage of replica d walks shard d; drop_last: no samples repeated to pad
     sampler = DistributedSampler(train_set, dp, dp_rank, seed=args.seed, drop_last=True)
     plan = training.Plan(args, len(sampler), dp, dataset_name, "replicas")
     checkpointer = checkpoints.Checkpointer(args, plan, device)
-    checkpointer.check_outputs()  # collective: rank 0 tries a write where each output goes
-    seed = hash((args.seed, dp_rank))  # this replica's DataLoader workers' random streams
+    checkpointer.check_outputs()  # collective: fails now, not after training
+    seed = hash((args.seed, dp_rank))  # for this replica's DataLoader workers
     train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
     test_batches = training.Batches(test_set, args.batch_size, device, dtype, args.workers)
 
-    # ---- model: whole on every rank, from the seed: train_ddp.py's weights, for any model ----
-    # Each rank keeps its stages' blocks (too big for one device: docs/pipeline.md)
+    # ---- model: whole on every rank, from the seed, as in train_ddp.py ----
+    # A rank keeps its stages' blocks (too big for a device: docs/pipeline.md)
     torch.manual_seed(args.seed)
-    model = models.build(args, train_set, device, dtype)  # --model's, for the data's shapes
-    if args.init_from:  # rank 0 reads the file and broadcasts each weight
+    model = models.build(args, train_set, device, dtype)  # --model, for the data
+    if args.init_from:
         checkpoints.init_from(model, args.init_from, log)  # collective
     param_count = sum(p.numel() for p in model.parameters())
-    flops = watch.flops_per_sample(model, next(test_batches([0]))[0])  # forward + backward
+    flops = watch.flops_per_sample(model, next(test_batches([0]))[0])
 
     # ---- wrap: a PipelineStage per local stage, one schedule for all ----
     sample = next(test_batches([0]))[0][:1]  # one input, as the first stage gets it
@@ -106,7 +105,7 @@ def main():
     schedule = make_schedule(stages, args, dtype)
     optimizer = training.make_optimizer(args, model.parameters())
 
-    # ---- resume: every rank loads its part of the newest checkpoint, if any ----
+    # ---- resume: from the newest checkpoint, if any ----
     resumed = checkpointer.resume(model, optimizer, log)  # collective
     what = f"pipeline ({args.schedule}, {len(stage_blocks)} stages: blocks {stage_blocks}, "
     what += f"{args.microbatches} microbatches) x {dp} replica(s)"
@@ -116,12 +115,12 @@ def main():
     # ---- train loop ----
     progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
     profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
-    window = []  # the micro-steps' losses since the last logging step, on the device
-    stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
-    norm = None  # the gradients' norm before clipping, with --max-grad-norm
-    skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
+    window = []  # micro-step losses since the last log, on the device
+    stop = failures.StopSignals(resumed["step"])  # records signals as they come
+    norm = None  # before clipping, with --max-grad-norm
+    skip = resumed["samples_into_epoch"] // plan.global_batch_size  # done this epoch
     for epoch in range(resumed["epoch"], plan.epochs):
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        sampler.set_epoch(epoch)  # a new shuffle, the same on every rank
         model.train()
         progress.start_epoch(epoch)
         first, skip = skip, 0
@@ -131,66 +130,66 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             for micro_step in range(args.grad_accum):
                 images, labels = next(batches)
-                # collective: stages exchange activations and gradients; 0 off the last stage
+                # collective: activations and gradients between stages; 0 off the last
                 window.append(forward_backward(schedule, stages, images, labels, args.grad_accum))
             grads = [p.grad for p in model.parameters() if p.grad is not None]  # its stages'
-            average_over_replicas(grads, mesh.get_group("dp"))  # collective: over replicas
-            if args.max_grad_norm:  # collective: the whole model's norm, every stage's
+            average_over_replicas(grads, mesh.get_group("dp"))  # collective
+            if args.max_grad_norm:  # collective: the whole model's norm
                 norm = clip_grad_norm(model, grads, args.max_grad_norm, mesh.get_group("pp"))
             lr = plan.lr(progress.step)
             training.set_lr(optimizer, lr)
             optimizer.step()
             progress.count_step()
             log_now = progress.is_logging_step(end_of_epoch=step_in_epoch == last - 1)
-            # collective at logging steps and about once a second: the ranks agree on a stop
+            # collective, about once a second: the ranks agree on a stop
             stop_signal = stop.agree_now(progress.step, log_now, device)
-            if log_now or stop_signal:  # only last stages hold a loss: the all-reduce brings it
+            if log_now or stop_signal:  # the last stages' losses, all-reduced
                 window_loss = torch.stack(window).sum()
                 dist.all_reduce(window_loss)
                 mean_loss = window_loss.item() / (len(window) * dp)
-                checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
+                checkpointer.refuse_divergence(progress.step, mean_loss)
                 progress.record_loss(mean_loss, "loss (last stage)", lr, norm)
                 window.clear()
-            profiler.after_step(progress.step)  # --profile-steps: starts or stops here
-            if checkpointer.is_due(progress.step, now=stop_signal):  # and at the last step
-                for buffer in model.buffers():  # each replica's statistics: replica 0's saved
+            profiler.after_step(progress.step)  # --profile-steps
+            if checkpointer.is_due(progress.step, now=stop_signal):
+                for buffer in model.buffers():  # replica 0's statistics are saved
                     dist.broadcast(buffer, group=mesh.get_group("dp"), group_src=0)
-                # collective; it refuses weights or a loss that are not finite
+                # collective; refuses what is not finite
                 checkpointer.save(progress.step, epoch, step_in_epoch + 1, model, optimizer, window)
             if stop_signal and progress.step < plan.total_steps:  # the last step just ends
                 raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
 
-        # ---- evaluate: each replica scores a slice of the test set; sums all-reduced ----
+        # ---- evaluate: each replica scores a slice; the sums are all-reduced ----
         if not args.no_eval:
             test_loss, test_accuracy = evaluate(model, schedule, stages, test_batches, mesh)
-            progress.record_test(test_loss, test_accuracy)  # the epoch's line, and a row
-    progress.close()  # the bar's last state stays on the screen
+            progress.record_test(test_loss, test_accuracy)
+    progress.close()
 
-    # ---- save: replica 0's stages send their weights to rank 0, which writes them ----
-    if args.save:  # whatever rank 0's write raises, every rank raises
-        full_state = gather_state_dict(model, mesh)  # collective: replica 0's stages, on rank 0
+    # ---- save: rank 0 gathers replica 0's stages and writes ----
+    if args.save:
+        full_state = gather_state_dict(model, mesh)  # collective
         checkpoints.save_on_rank_0(full_state, args.save)  # collective
         log(f"saved the weights to {args.save}")
-    if hasattr(train_set, "write"):  # text: rank 0 prints what the model writes
-        log(train_set.write(gather_state_dict(model, mesh)))  # collective: every stage's
+    if hasattr(train_set, "write"):  # text: rank 0 prints a sample
+        log(train_set.write(gather_state_dict(model, mesh)))  # collective
     if args.metrics:
         run = {"strategy": "pipeline", "schedule": args.schedule, "stages": len(stage_blocks)}
         run |= {"microbatches": args.microbatches, "data_parallel": args.data_parallel}
         here = [stage.stage_index for stage in stages]  # this rank's stages
         run["rank_info"] = {"stages": here, "blocks": [stage_blocks[i] for i in here]}
-        # collective: rank 0 gathers every rank's memory and writes the file
+        # collective: rank 0 gathers each rank's memory
         watch.write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run)
 
 
 def evaluate(model, schedule, stages, test_batches, mesh):
     """Collective: the test loss and accuracy over every replica's slice, forward only."""
-    for buffer in model.buffers():  # BatchNorm's statistics: replica 0's, which it saves
+    for buffer in model.buffers():  # BatchNorm's: replica 0's, as saved
         dist.broadcast(buffer, group=mesh.get_group("dp"), group_src=0)
     model.eval()
     has_first = any(stage.is_first for stage in stages)
     has_last = any(stage.is_last for stage in stages)
 
-    def pipeline_forward(images, labels):  # through every stage: logits on the last one
+    def pipeline_forward(images, labels):  # logits on the last stage
         logits = schedule.eval(
             *([images] if has_first else []), target=labels if has_last else None
         )
@@ -224,8 +223,8 @@ def add_arguments(parser):  # the pipeline's flags
 def make_mesh(args, device, world_size):
     """world_size / D pipeline ranks (rows) of D replicas (columns).
 
-    Pipeline outside, as in torchtitan: a stage's replicas are neighbours, on one node, where
-    the data-parallel all-reduce runs; only activations, between neighbouring stages, cross nodes.
+    Pipeline outside, as in torchtitan: a stage's replicas are neighbours, on one node;
+    only activations, between neighbouring stages, cross nodes.
     """
     shape = (world_size // args.data_parallel, args.data_parallel)
     return init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp"))
@@ -234,14 +233,14 @@ def make_mesh(args, device, world_size):
 def make_schedule(stages, args, dtype):
     """One schedule for this rank's stages; the last stage computes the loss."""
 
-    def loss_fn(logits, labels):  # on the last stage, per microbatch, in the weights' dtype
-        # (..., C) logits of (...) targets: an image's or each token's. Divided by the
-        # microbatches and the micro-steps: the summed gradients are the step's mean, as in DDP.
+    def loss_fn(logits, labels):  # on the last stage, per microbatch
+        # logits (..., C), targets (...). Divided by the microbatches and micro-steps:
+        # the summed gradients are the step's mean, as in DDP.
         loss = F.cross_entropy(logits.to(dtype).flatten(0, -2), labels.flatten())
         return loss / (args.microbatches * args.grad_accum)
 
-    # scale_grads=False: we scale the loss instead. The schedule's own scaling divides .grad
-    # by the microbatches at every step(), which would shrink earlier micro-steps' again.
+    # scale_grads=False: the loss is scaled. The schedule's scaling divides .grad at
+    # every step(), which would shrink earlier micro-steps' again.
     schedule_class, stages_kind = SCHEDULES[args.schedule]
     return schedule_class(
         stages[0] if stages_kind == "one" else stages,
@@ -253,18 +252,17 @@ def make_schedule(stages, args, dtype):
 
 def forward_backward(schedule, stages, images, labels, grad_accum):
     """Collective: a micro-step through the pipeline; its mean loss on the last stage, else 0."""
-    # Only the first stage reads inputs, only the last one sees targets and losses.
+    # Only the first stage reads inputs; only the last sees targets and losses.
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     losses = [] if last else None
     schedule.step(*([images] if first else []), target=labels if last else None, losses=losses)
-    if not last:  # float32 on every rank: the window's all-reduce takes one dtype
+    if not last:  # float32 everywhere: an all-reduce takes one dtype
         return torch.zeros((), device=images.device)
     return torch.stack(losses).detach().sum().float() * grad_accum  # loss_fn divided it
 
 
 def clip_grad_norm(model, grads, max_norm, pp_group):
-    """Collective: clip to the norm of every stage's gradients, summed over the pipeline ranks;
-    returns that norm, before clipping."""
+    """Collective: clip to the norm of every stage's gradients, returned unclipped."""
     squares = torch.nn.utils.get_total_norm(grads) ** 2  # this rank's stages
     dist.all_reduce(squares, group=pp_group)
     norm = squares.sqrt()
@@ -273,8 +271,7 @@ def clip_grad_norm(model, grads, max_norm, pp_group):
 
 
 def average_over_replicas(grads, dp_group):
-    """Collective: each gradient becomes its mean over the stage's replicas, in one all-reduce
-    (none with one replica)."""
+    """Collective: each gradient becomes its mean over the replicas, in one all-reduce."""
     replicas = dist.get_world_size(dp_group)
     if replicas == 1:
         return
@@ -285,7 +282,7 @@ def average_over_replicas(grads, dp_group):
 
 
 def gather_state_dict(model, mesh):
-    """Collective: every stage's weights of replica 0, in one state dict on rank 0 ({} else)."""
+    """Collective: replica 0's stages' weights in one state dict on rank 0 ({} else)."""
     mine = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine if mesh.get_local_rank("dp") == 0 else {}, gathered, dst=0)
@@ -297,7 +294,7 @@ def stages_per_rank(args):  # default: 1 for gpipe and 1f1b, 2 for the others
 
 
 def check_flags(args, world_size):
-    """Refuse, before any communication, the layouts whose schedules would fail or hang."""
+    """Refuse, before any communication, layouts whose schedules fail or hang."""
     if world_size % args.data_parallel:
         raise failures.UsageError(
             f"--data-parallel {args.data_parallel} must be a positive divisor of the world size "
@@ -334,7 +331,7 @@ def check_flags(args, world_size):
                 f"(the pipeline ranks): --microbatches {args.microbatches} is not a multiple "
                 f"of its {rounds} rounds"
             )
-    if args.compile:  # seen on torch 2.14: compiled blocks may return non-contiguous tensors
+    if args.compile:  # torch 2.14: compiled blocks may return non-contiguous tensors
         raise failures.UsageError(
             "--compile is for train_ddp.py and train_fsdp.py: the pipeline's stages cannot "
             "send the non-contiguous activations compiled blocks may return"
@@ -342,9 +339,9 @@ def check_flags(args, world_size):
 
 
 def build_stages(model, args, sample, mesh, autocast):
-    """This rank's PipelineStages, cut from model.blocks, and every stage's block indices.
+    """This rank's PipelineStages, cut from model.blocks, and every stage's blocks.
 
-    The stages have about equal FLOPs; the blocks of other ranks' stages become nn.Identity.
+    Stages of about equal FLOPs; other ranks' blocks become nn.Identity.
     """
     pipeline_ranks, pp_rank = mesh["pp"].size(), mesh.get_local_rank("pp")
     num_stages = pipeline_ranks * stages_per_rank(args)
@@ -354,7 +351,7 @@ def build_stages(model, args, sample, mesh, autocast):
             f"{pipeline_ranks} pipeline ranks x {stages_per_rank(args)} stages per rank = "
             f"{num_stages} stages, but model.blocks has only {len(costs)} blocks"
         )
-    # A rank holds two neighbouring stages in the V (zbv), and in the loop with one pipeline rank.
+    # A rank holds two neighbouring stages in the V (zbv), or in a loop on one rank.
     neighbours = num_stages > 1 and (args.schedule == "zbv" or pipeline_ranks == 1)
     old = torch.__version__ < (2, 14)  # seen on 2.9 and 2.11
     if neighbours and dist.get_backend() == "gloo" and old:
@@ -371,17 +368,17 @@ def build_stages(model, args, sample, mesh, autocast):
             "steal_bwd_input if this stage doesn't have backward\"); add --no-eval"
         )
     stage_blocks = balanced_stages(costs, num_stages)  # contiguous blocks per stage
-    # Loop placement puts stage s on rank s % ranks; the V gives rank r stages r and 2R - 1 - r.
+    # A loop puts stage s on rank s % R; the V gives rank r stages r and 2R - 1 - r.
     if args.schedule == "zbv":
         stage_indices = [pp_rank, 2 * pipeline_ranks - 1 - pp_rank]
     else:
         stage_indices = [pp_rank + k * pipeline_ranks for k in range(stages_per_rank(args))]
     local = [block for index in stage_indices for block in stage_blocks[index]]
     for index in range(len(model.blocks)):
-        if index not in local:  # names stay the whole model's: checkpoints and saves line up
+        if index not in local:  # names stay the whole model's, for checkpoints
             model.blocks[index] = nn.Identity()
     stages = []
-    for index in stage_indices:  # sharing model's blocks: the optimizer sees the same parameters
+    for index in stage_indices:  # model's own blocks: the optimizer's parameters
         stage_model = Stage([model.blocks[block] for block in stage_blocks[index]], autocast)
         device = sample.device
         stages.append(
@@ -391,14 +388,12 @@ def build_stages(model, args, sample, mesh, autocast):
 
 
 class Stage(nn.Sequential):
-    """Some of the model's blocks, run as one pipeline stage, with autocast around forward only.
-
-    The schedule runs backward outside it (autocast belongs to the forward).
-    """
+    """Some of the model's blocks as one stage, autocast around forward only (the
+    schedule runs backward outside it)."""
 
     def __init__(self, blocks, autocast):
         super().__init__(*blocks)
-        self.autocast = autocast  # a reusable context: torch.autocast or nullcontext
+        self.autocast = autocast  # reusable: torch.autocast or nullcontext
 
     def forward(self, x):
         with self.autocast:
@@ -406,22 +401,22 @@ class Stage(nn.Sequential):
 
 
 def block_flops(model, sample):
-    """The FLOPs of each of model.blocks on ``sample``; a UsageError (one line, exit 2) if the
-    model has no blocks, or if its forward does more than run them in order (the stages would
-    train another model), or if they fail alone on its input (an embedding outside them)."""
+    """The FLOPs of each of model.blocks on ``sample``. A UsageError if the model has
+    no blocks, or its forward does more than run them in order (the stages would train
+    another model), or they fail alone on its input (an embedding outside them)."""
     if not isinstance(getattr(model, "blocks", None), (nn.Sequential, nn.ModuleList)):
         raise failures.UsageError(
             "train_pippy.py cuts model.blocks into stages: give your model a blocks "
             "(an nn.Sequential) that its forward runs in order, and nothing else"
         )
-    model.eval()  # grad on: no_grad's fused nn.TransformerEncoderLayer escapes FlopCounterMode
+    model.eval()  # grad on: no_grad's fused TransformerEncoderLayer escapes the counter
     flops, x = [], sample
-    with suppress(Exception):  # blocks that fail alone on its input: refused below
+    with suppress(Exception):  # blocks that fail alone: refused below
         for block in model.blocks:
             with FlopCounterMode(display=False) as counter:
                 x = block(x)
             flops.append(counter.get_total_flops())
-    whole = model(sample)  # outside: a model that fails whole says why, in its own error
+    whole = model(sample)  # a model that fails whole says why, in its own error
     model.train()
     same = len(flops) == len(model.blocks) and x.shape == whole.shape
     if not same or not torch.allclose(x, whole, rtol=1e-3, atol=1e-6):
@@ -435,12 +430,12 @@ def block_flops(model, sample):
 def balanced_stages(costs, num_stages):
     """Contiguous groups of block indices, one per stage, whose costliest costs the least.
 
-    A pipeline runs at the pace of its slowest stage; the blocks after the first group are
+    A pipeline runs at its slowest stage's pace; the blocks after the first group are
     split by the same rule.
     """
 
     @functools.cache
-    def best(start, stages):  # (cost of the costliest group, the groups) of blocks start, ...
+    def best(start, stages):  # (the costliest group's cost, groups) from block start
         if stages == 1:
             return sum(costs[start:]), (tuple(range(start, len(costs))),)
         return min(
@@ -455,4 +450,4 @@ def balanced_stages(costs, num_stages):
 
 
 if __name__ == "__main__":
-    failures.run(main, data.DataError)  # one-line errors; under torchrun, die with it
+    failures.run(main, data.DataError)  # one-line errors, exit codes

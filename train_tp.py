@@ -11,16 +11,15 @@ Through the wrapper: `bash run_tp.sh [flags]`; for two nodes, on each node,
 `NNODES=2 NODE_RANK=0|1 MASTER_ADDR=node0 MASTER_PORT=29500 bash run_tp.sh [flags]`.
 
 What TP changes compared with train_fsdp.py:
-  setup  a 2-D device mesh (dp, tp): --tp ranks split each layer; their groups are data parallel
-  data   the sampler deals one share per tp group: its ranks see the same batch
-  wrap   the GPT (--model gpt): parallelize_module() with gpt_plan(), the plan to copy and edit
-         for a transformer: heads and the MLP split, the residual stream split by positions
-         (sequence parallelism), the logits by vocabulary; BabyCNN: tensor_parallel() splits each
-         pair of layers by channels, written out (one all-reduce per pair): the lesson of what TP
-         does inside. Then fully_shard() over the mesh's dp dimension; the optimizer after both
-  loss   loss_parallel(): the cross-entropy over the GPT's vocabulary-split logits
-  eval   each tp group scores a slice of the test set; the sums are all-reduced over dp
-Every collective is called here, or in a call marked "collective" (every rank must make it).
+  setup  a 2-D mesh (dp, tp): --tp ranks split each layer; their groups are data parallel
+  data   one share per tp group: its ranks see the same batch
+  wrap   the GPT (--model gpt): parallelize_module() with gpt_plan(), the plan to copy
+         for a transformer (heads, MLP, sequence parallelism, vocabulary-split logits);
+         BabyCNN: tensor_parallel() splits pairs of layers by channels, written out to
+         show what TP does inside. Then fully_shard() over dp; the optimizer after both
+  loss   loss_parallel(): cross-entropy over the GPT's vocabulary-split logits
+  eval   each tp group scores a slice; the sums are all-reduced over dp
+Every collective is called here, or in a call marked "collective".
 """
 
 import logging
@@ -52,47 +51,47 @@ from plumbing.watch import log
 
 def main():
     parser = training.parser(__doc__.splitlines()[0], data.add_arguments)
-    add_arguments(parser)  # this strategy's flags
+    add_arguments(parser)
     args = parser.parse_args()
 
     # ---- setup: one process per device, all of them in one process group ----
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # rank on this node: picks its device
-    device = training.pick_device(args.device, local_rank)  # one line if too few GPUs
-    # Find (or download) the data first: no collective's timeout runs during a download.
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # picks the device
+    device = training.pick_device(args.device, local_rank)
+    # Before the process group: no collective's timeout runs during a download.
     found = data.find(args.dataset, args.data_dir, download=not args.no_download, model=args.model)
-    backend = dist.get_default_backend_for_device(device)  # NCCL on NVIDIA GPUs, gloo on CPUs
+    backend = dist.get_default_backend_for_device(device)  # NCCL or gloo
     dist.init_process_group(backend, **failures.process_group_options(device))
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    dtype = training.dtype_of(args)  # bf16 comes from MixedPrecisionPolicy below
+    dtype = training.dtype_of(args)  # bf16: MixedPrecisionPolicy
     check_flags(args, world_size)
-    mesh = make_mesh(args, device, world_size)  # data-parallel groups x tp ranks
+    mesh = make_mesh(args, device, world_size)  # (dp, tp)
     dp, dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")
-    # ---- data: Datasets (bundled: on the device); the sampler deals this rank's share ----
-    # collective: every rank sees what each found, so all train on the same data
+    # ---- data: the sampler deals each rank its share ----
+    # collective: all ranks train on the same data
     dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
-    # One share per tp group: its ranks see the same batch; drop_last: no sample counted twice
-    sampler = DistributedSampler(train_set, dp, dp_rank, seed=args.seed, drop_last=True)  # shuffled
+    # A share per tp group: its ranks see the same batch; drop_last: none repeated
+    sampler = DistributedSampler(train_set, dp, dp_rank, seed=args.seed, drop_last=True)
     plan = training.Plan(args, len(sampler), dp, dataset_name, "tp groups")
     checkpointer = checkpoints.Checkpointer(args, plan, device)
-    checkpointer.check_outputs()  # collective: rank 0 tries a write where each output goes
-    seed = hash((args.seed, dp_rank))  # this group's DataLoader workers' random streams
+    checkpointer.check_outputs()  # collective: fails now, not after training
+    seed = hash((args.seed, dp_rank))  # for this group's DataLoader workers
     train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
     test_batches = training.Batches(test_set, 512, device, dtype, args.workers)
 
-    # ---- model: whole on every rank, from the seed: train_ddp.py's weights, for any model ----
-    # parallelize() keeps this rank's part of each (too big for one device: docs/fsdp.md)
+    # ---- model: whole on every rank, from the seed, as in train_ddp.py ----
+    # parallelize() keeps a part of each (too big for a device: docs/fsdp.md)
     torch.manual_seed(args.seed)
-    model = models.build(args, train_set, device, dtype)  # --model's, for the data's shapes
-    if args.init_from:  # rank 0 reads the file and broadcasts each weight
+    model = models.build(args, train_set, device, dtype)  # --model, for the data
+    if args.init_from:
         checkpoints.init_from(model, args.init_from, log)  # collective
     param_count = sum(p.numel() for p in model.parameters())
-    flops = watch.flops_per_sample(model, next(test_batches([0]))[0])  # forward + backward
+    flops = watch.flops_per_sample(model, next(test_batches([0]))[0])
 
     # ---- wrap: split each layer across the tp ranks, then shard them over dp ----
     parallelize(model, args, mesh)
-    optimizer = training.make_optimizer(args, model.parameters())  # after the split: its parts
+    optimizer = training.make_optimizer(args, model.parameters())  # of the parts
 
-    # ---- resume: every rank loads its part of the newest checkpoint, if any ----
+    # ---- resume: from the newest checkpoint, if any ----
     resumed = checkpointer.resume(model, optimizer, log)  # collective
     what = f"TP {args.tp} x FSDP {dp} (mesh (dp, tp) {tuple(mesh.shape)}) on {world_size} rank(s)"
     figures = watch.describe(args, plan, param_count, flops, "tp group")
@@ -101,12 +100,12 @@ def main():
     # ---- train loop ----
     progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
     profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
-    window = []  # the micro-steps' losses since the last logging step, on the device
-    stop = failures.StopSignals(resumed["step"])  # records stop signals as they come
-    norm = None  # the gradients' norm before clipping, with --max-grad-norm
-    skip = resumed["samples_into_epoch"] // plan.global_batch_size  # steps done this epoch
+    window = []  # micro-step losses since the last log, on the device
+    stop = failures.StopSignals(resumed["step"])  # records signals as they come
+    norm = None  # before clipping, with --max-grad-norm
+    skip = resumed["samples_into_epoch"] // plan.global_batch_size  # done this epoch
     for epoch in range(resumed["epoch"], plan.epochs):
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        sampler.set_epoch(epoch)  # a new shuffle, the same on every rank
         model.train()
         progress.start_epoch(epoch)
         first, skip = skip, 0
@@ -116,58 +115,58 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             for micro_step in range(args.grad_accum):
                 images, labels = next(batches)
-                # Keep unsharded gradients local; the last micro-step reduce-scatters their sum
+                # Unsharded local gradients; the last micro-step reduce-scatters the sum
                 last_micro_step = micro_step == args.grad_accum - 1
                 model.set_requires_gradient_sync(last_micro_step)
-                # (..., C) logits of (...) targets; the GPT's split by vocabulary, ungathered
-                with loss_parallel():  # collective: the GPT's loss all-reduces over tp ranks
+                # logits (..., C), targets (...); the GPT's stay split by vocabulary
+                with loss_parallel():  # collective: the GPT's loss all-reduces over tp
                     loss = F.cross_entropy(model(images).flatten(0, -2), labels.flatten())
                     (loss / args.grad_accum).backward()  # the mean over micro-steps
-                window.append(local(loss.detach()))  # the GPT's: the same on every tp rank
-            if args.max_grad_norm:  # collective: the global norm, from the shards' norms
+                window.append(local(loss.detach()))  # the same on every tp rank
+            if args.max_grad_norm:  # collective: the shards' global norm
                 norm = clip_grad_norm(model, args.max_grad_norm)
             lr = plan.lr(progress.step)
             training.set_lr(optimizer, lr)
             optimizer.step()
             progress.count_step()
             log_now = progress.is_logging_step(end_of_epoch=step_in_epoch == last - 1)
-            # collective at logging steps and about once a second: the ranks agree on a stop
+            # collective, about once a second: the ranks agree on a stop
             stop_signal = stop.agree_now(progress.step, log_now, device)
-            if log_now or stop_signal:  # one all-reduce per window: the mean of the tp groups'
+            if log_now or stop_signal:  # one all-reduce per window: the tp groups' mean
                 window_loss = torch.stack(window).sum()
                 dist.all_reduce(window_loss)
                 mean_loss = window_loss.item() / (len(window) * world_size)
-                checkpointer.refuse_divergence(progress.step, mean_loss)  # if not finite
+                checkpointer.refuse_divergence(progress.step, mean_loss)
                 progress.record_loss(mean_loss, "loss (all ranks)", lr, norm)
                 window.clear()
-            profiler.after_step(progress.step)  # --profile-steps: starts or stops here
-            if checkpointer.is_due(progress.step, now=stop_signal):  # and at the last step
-                for buffer in model.buffers():  # each rank's statistics: rank 0's are saved
+            profiler.after_step(progress.step)  # --profile-steps
+            if checkpointer.is_due(progress.step, now=stop_signal):
+                for buffer in model.buffers():  # rank 0's statistics are saved
                     dist.broadcast(buffer, src=0)
-                # collective; it refuses weights or a loss that are not finite
+                # collective; refuses what is not finite
                 checkpointer.save(progress.step, epoch, step_in_epoch + 1, model, optimizer, window)
             if stop_signal and progress.step < plan.total_steps:  # the last step just ends
                 raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
 
-        # ---- evaluate: each tp group scores a slice of the test set; sums all-reduced ----
+        # ---- evaluate: each tp group scores a slice; the sums are all-reduced ----
         if not args.no_eval:
             test_loss, test_accuracy = evaluate(model, test_batches, mesh)
-            progress.record_test(test_loss, test_accuracy)  # the epoch's line, and a row
-    progress.close()  # the bar's last state stays on the screen
+            progress.record_test(test_loss, test_accuracy)
+    progress.close()
 
-    # ---- save: every rank sends its shards; rank 0 gets the full state dict and writes ----
-    if args.save:  # whatever rank 0's write raises, every rank raises
-        full_state = gather_full_state_dict(model)  # collective: in rank 0's CPU memory
+    # ---- save: rank 0 gathers every rank's shards and writes ----
+    if args.save:
+        full_state = gather_full_state_dict(model)  # collective
         checkpoints.save_on_rank_0(full_state, args.save)  # collective
         log(f"saved the weights to {args.save}")
-    if hasattr(train_set, "write"):  # text: rank 0 prints what the model writes
-        log(train_set.write(gather_full_state_dict(model)))  # collective: the shards gathered
+    if hasattr(train_set, "write"):  # text: rank 0 prints a sample
+        log(train_set.write(gather_full_state_dict(model)))  # collective
     if args.metrics:
         run = {"strategy": "tp", "tp": args.tp, "mesh": list(mesh.shape)}
-        # collective: rank 0 gathers every rank's memory and writes the file
+        # collective: rank 0 gathers each rank's memory
         watch.write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run)
-    # torch 2.14's DTensor caches keep the mesh, and the mesh its group: let go of it
-    # (private; 2.9 has none), or gloo's threads live into shutdown, where they may abort.
+    # Let go of the mesh, which torch 2.14's DTensor caches keep (private; not in 2.9):
+    # else gloo's threads live into shutdown, where they may abort.
     getattr(mesh, "_pg_registry", {}).clear()
 
 
@@ -181,9 +180,9 @@ def add_arguments(parser):  # TP's flag
 
 
 def gather_full_state_dict(model):
-    """Collective: every rank sends its shards; rank 0 gets the whole state dict, in CPU memory."""
-    # torch 2.14 warns on every rank that it gathers a (dp, tp)-split tensor in two all-gathers,
-    # not one: the same tensor, a little slower. Said once here instead.
+    """Collective: rank 0 gets the whole state dict, in CPU memory."""
+    # torch 2.14 warns on each rank that a (dp, tp)-split tensor takes two all-gathers,
+    # not one: the same tensor, a little slower.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)
@@ -192,15 +191,14 @@ def gather_full_state_dict(model):
 def make_mesh(args, device, world_size):
     """world_size / tp data-parallel groups (rows) of tp ranks (columns).
 
-    TP inside, as in torchtitan: a group's ranks are neighbours, on one node, where each
-    layer all-reduces.
+    TP inside, as in torchtitan: a tp group's ranks are neighbours, on one node.
     """
     shape = (world_size // args.tp, args.tp)
     return init_device_mesh(device.type, shape, mesh_dim_names=("dp", "tp"))
 
 
 def check_flags(args, world_size):
-    """Refuse TP's flags that cannot work together, before anything is built."""
+    """Refuse TP's flags that do not go together, before anything is built."""
     if args.model != "cnn" and world_size % args.tp:  # gpt_plan() checks the heads
         raise failures.UsageError(f"--tp {args.tp} must divide the world size {world_size}")
     if args.model == "cnn" and (world_size % args.tp or args.width * 8 % args.tp):
@@ -221,7 +219,7 @@ def parallelize(model, args, mesh):
     Each rank keeps a 1/dp shard of its 1/tp part of each weight.
     """
     mp_policy = MixedPrecisionPolicy()
-    if args.precision == "bf16":  # gather and compute in bf16, reduce in fp32, fp32 logits
+    if args.precision == "bf16":  # reduce and return logits in fp32
         mp_policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
         )
@@ -230,7 +228,7 @@ def parallelize(model, args, mesh):
     else:  # BabyCNN's split, written out: what a plan's styles do inside
         tensor_parallel(model, mesh["tp"])
     for index, block in enumerate(model.blocks):
-        # Backward starts with the last block: resharding it after forward would only regather.
+        # Backward starts with the last block: resharding it would only regather.
         last = index == len(model.blocks) - 1
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=not last, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh["dp"], mp_policy=mp_policy)
@@ -239,32 +237,32 @@ def parallelize(model, args, mesh):
 def gpt_plan(config, tp):
     """The GPT's tensor-parallel plan: a ParallelStyle for each module name (models/gpt.py's).
 
-    In each block, query, key and value are split column-wise (each rank computes whole heads,
-    as the attention reshapes by head_dim), the output projection row-wise: one reduce-scatter
-    of its partial sums; the MLP likewise. Between blocks the residual stream stays split by
-    positions, Shard(1) (sequence parallelism): the norms and dropouts work on 1/tp of the
-    positions, and each block all-gathers its norm's output once for the attention or the MLP.
-    The head's Linear splits the vocabulary and keeps its logits split, for loss_parallel().
+    In each block, query, key and value split column-wise (a rank computes whole
+    heads), the output projection row-wise: one reduce-scatter of its partial sums;
+    the MLP likewise. Between blocks the residual stream stays split by positions,
+    Shard(1) (sequence parallelism): norms and dropouts work on 1/tp of them, and
+    each norm's output is all-gathered once for the attention or the MLP. The head
+    splits the vocabulary and keeps its logits split, for loss_parallel().
     """
     if config["n_head"] % tp:
         raise failures.UsageError(f"--tp {tp} must divide the GPT's {config['n_head']} heads")
-    positions = Shard(1)  # of (batch, positions, n_embd): the residual stream between blocks
+    positions = Shard(1)  # of (batch, positions, n_embd): the residual stream
     whole = Replicate()
-    plan = {  # the embedding: each rank holds 1/tp of the rows, then reduce-scatters the sums
+    plan = {  # the embedding: a rank holds 1/tp of the rows; the sums reduce-scattered
         "blocks.0.tokens": RowwiseParallel(
             input_layouts=whole, output_layouts=positions, use_local_output=False
         ),
-        # The position table is (positions, n_embd): split on dim 0, it lines up with Shard(1)
-        # of the tokens' (batch, positions, n_embd) in their sum. Each rank holds the rows of
-        # its own positions, so the reduce-scatter adds zeros: 1/batch of the tokens' bytes.
+        # The position table (positions, n_embd) split on dim 0 lines up with Shard(1)
+        # of the tokens' (batch, positions, n_embd). A rank holds its own positions' rows,
+        # so the reduce-scatter adds zeros: 1/batch of the tokens' bytes.
         "blocks.0.positions": RowwiseParallel(
             input_layouts=whole, output_layouts=Shard(0), use_local_output=False
         ),
         "blocks.0.dropout": SequenceParallel(),
     }
-    # PrepareModuleInput gathers the positions once for query, key and value (each one's
-    # ColwiseParallel would gather again); use_local_output=False keeps the residual stream a
-    # DTensor, so that x + attn(x) adds like placements.
+    # PrepareModuleInput gathers the positions once for query, key and value (each
+    # ColwiseParallel would gather again); use_local_output=False keeps the residual
+    # stream a DTensor, so that x + attn(x) adds like placements.
     block = {
         "attn_norm": SequenceParallel(),
         "attn": PrepareModuleInput(input_layouts=positions, desired_input_layouts=whole),
@@ -279,11 +277,11 @@ def gpt_plan(config, tp):
         "mlp.proj": RowwiseParallel(output_layouts=positions, use_local_output=False),
         "mlp.dropout": SequenceParallel(),
     }
-    for index in range(1, config["n_layer"] + 1):  # blocks.0 is Embed, the last one Head
+    for index in range(1, config["n_layer"] + 1):  # blocks.0 is Embed, the last Head
         plan |= {f"blocks.{index}.{name}": style for name, style in block.items()}
     head = f"blocks.{config['n_layer'] + 1}"
     plan[f"{head}.norm"] = SequenceParallel()
-    # Logits (batch, positions, vocabulary) split by vocabulary, Shard(-1), kept a DTensor.
+    # Logits (batch, positions, vocabulary) split by vocabulary, kept a DTensor.
     plan[f"{head}.out"] = ColwiseParallel(
         input_layouts=positions, output_layouts=Shard(-1), use_local_output=False
     )
@@ -291,26 +289,26 @@ def gpt_plan(config, tp):
 
 
 def local(tensor):
-    """A DTensor's local tensor (the GPT's loss: replicated over the tp ranks), else tensor."""
+    """A DTensor's local tensor (the GPT's loss, the same on each tp rank), else tensor."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def tensor_parallel(model, tp_mesh):
     """Split BabyCNN's layers across the ranks of tp_mesh, in pairs.
 
-    The first of a pair keeps 1/tp of its output channels (column-wise), so its output is split
-    by channels; the second takes those channels in (row-wise) and adds up its partial outputs:
-    one all-reduce in forward, and one for the pair's input gradient in backward. Each weight
-    becomes a DTensor on tp_mesh: a checkpoint knows which part each rank holds.
+    The first of a pair keeps 1/tp of its output channels (column-wise); the second
+    takes those channels in (row-wise) and adds up its partial outputs: one all-reduce
+    in forward, one for the pair's input gradient in backward. Each weight becomes a
+    DTensor on tp_mesh: a checkpoint knows which part each rank holds.
     """
     group = tp_mesh.get_group()
     for block in model.blocks[:-1]:  # ConvBlock: conv1 -> ReLU -> conv2
         split_conv(block.conv1, tp_mesh, Shard(0), group)  # output channels
         split_conv(block.conv2, tp_mesh, Shard(1), group)  # input channels
-    split_conv(model.blocks[-1].conv, tp_mesh, Shard(0), group)  # Head: conv, ReLU, flatten, fc
-    # torch's tensor-parallel API covers Linear: fc takes the channels as they are split.
+    split_conv(model.blocks[-1].conv, tp_mesh, Shard(0), group)  # Head: conv, ..., fc
+    # torch's TP API covers Linear: fc takes the channels as they are split.
     fc = parallelize_module(model.blocks[-1].fc, tp_mesh, RowwiseParallel())
-    # RowwiseParallel hands back a view of its DTensor's local tensor, which FSDP warns about.
+    # RowwiseParallel returns a view of a DTensor's local tensor: FSDP warns of it.
     fc.register_forward_hook(lambda module, inputs, output: output.clone())
 
 
@@ -320,7 +318,7 @@ def split_conv(conv, tp_mesh, weight_placement, group):
     By output channels, Shard(0), or input channels, Shard(1).
     """
     column = weight_placement == Shard(0)
-    bias_placement = Shard(0) if column else Replicate()  # row-wise: added once, to the sum
+    bias_placement = Shard(0) if column else Replicate()  # row-wise: added to the sum
     weight = distribute_tensor(conv.weight.detach(), tp_mesh, [weight_placement])
     conv.weight = nn.Parameter(weight)
     conv.bias = nn.Parameter(distribute_tensor(conv.bias.detach(), tp_mesh, [bias_placement]))
@@ -329,7 +327,7 @@ def split_conv(conv, tp_mesh, weight_placement, group):
         weight, bias = conv.weight.to_local(), conv.bias.to_local()
         if column:  # x is whole on every rank; backward sums its gradient's parts
             return F.conv2d(AllReduceBackward.apply(x, group), weight, bias, padding=conv.padding)
-        partial = F.conv2d(x, weight, None, padding=conv.padding)  # this rank's channels' share
+        partial = F.conv2d(x, weight, None, padding=conv.padding)  # its channels' share
         return AllReduceForward.apply(partial, group) + bias.view(1, -1, 1, 1)
 
     conv.forward = forward
@@ -352,7 +350,7 @@ class AllReduceForward(torch.autograd.Function):
 class AllReduceBackward(torch.autograd.Function):
     """The identity on a tensor every tp rank holds whole (Megatron's f).
 
-    Each rank's layer used it for its own channels: its gradient is the sum of the ranks' parts.
+    Each rank used it for its own channels: its gradient is the sum of their parts.
     """
 
     @staticmethod
@@ -368,34 +366,33 @@ class AllReduceBackward(torch.autograd.Function):
 
 
 def clip_grad_norm(model, max_norm):
-    """Collective: clip the gradients, of which each rank holds shards, to their global norm;
-    returns that norm, before clipping."""
+    """Collective: clip the sharded gradients to their global norm, returned unclipped."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads)  # of the shards: "Partial"
-    norm = norm.full_tensor()  # collective: all-reduces into the global norm
+    norm = norm.full_tensor()  # collective: all-reduced
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
     return norm
 
 
 def evaluate(model, test_batches, mesh):
     """Collective: the test loss and accuracy over every tp group's slice."""
-    for buffer in model.buffers():  # BatchNorm's statistics: rank 0's, which it saves
+    for buffer in model.buffers():  # BatchNorm's: rank 0's, as saved
         dist.broadcast(buffer, src=0)
     model.eval()
-    # Loss sum, correct, count on this group; each forward all-reduces in the tp group.
+    # Loss sum, correct, count on this group; each forward all-reduces over tp.
     dp_rank, dp = mesh.get_local_rank("dp"), mesh["dp"].size()
 
-    def forward(inputs):  # the GPT's logits all-gathered whole: the evaluation's are plain
+    def forward(inputs):  # the GPT's logits all-gathered whole
         logits = model(inputs)
         return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
     totals = training.evaluate(forward, test_batches, dp_rank, dp)
     dist.all_reduce(totals, group=mesh.get_group("dp"))
-    for module in model.modules():  # no backward follows to free what these gathered
+    for module in model.modules():  # no backward frees what these gathered
         if isinstance(module, FSDPModule):  # (the last block)
             module.reshard()
     return (totals[:2] / totals[2]).tolist()
 
 
 if __name__ == "__main__":
-    failures.run(main, data.DataError)  # one-line errors; under torchrun, die with it
+    failures.run(main, data.DataError)  # one-line errors, exit codes

@@ -329,7 +329,7 @@ def test_the_generated_code_on_the_pages_is_current():
     assert done.returncode == 0, done.stderr + "\nrun: python docs/code_on_page.py"
     pages = {page.name: page.read_text() for page in code_on_page.PAGES}
     for page, directive in [
-        ("fsdp.md", 'lines train_fsdp.py "# Keep unsharded gradients local"'),
+        ("fsdp.md", 'lines train_fsdp.py "# Unsharded local gradients; the last"'),
         ("pipeline.md", 'lines train_pippy.py "# ---- wrap"'),
         ("batch.md", 'lines docs/snippets/dataloader.py "sampler = DistributedSampler("'),
     ]:
