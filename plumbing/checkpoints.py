@@ -74,7 +74,7 @@ def save_json(value, path):
 
 def init_from(model, path, log):
     """Collective: ``path``'s weights (torch.save's or .safetensors) into ``model``, unwrapped
-    and uncut; rank 0 reads and checks them, then broadcasts: a node holds them once."""
+    and uncut; rank 0 reads, checks and broadcasts them: a node holds them once."""
     expected = model.state_dict()
 
     def read():  # on rank 0
@@ -135,7 +135,7 @@ class Checkpointer:
         self.branch = None  # rank 0's: the --resume-from it descends from
 
     def is_due(self, step, now):
-        """Each --checkpoint-every, a stop, the last step: a finished job requeued ends at once."""
+        """Each --checkpoint-every, a stop, and the end: then a requeue has nothing to do."""
         every, last = self.args.checkpoint_every, self.total_steps
         return bool(self.directory) and (now or step % every == 0 or step == last)
 
@@ -178,7 +178,7 @@ class Checkpointer:
         on_rank_0(finish, f"finishing checkpoint step-{step}")  # all wait for it
 
     def _not_written(self, step, temporary, error, state):
-        """The disk's or its permissions' UsageError, or else a Retryable."""
+        """A UsageError (the disk, its permissions), or else a Retryable."""
         cause = _first_cause(error)
         why = cannot_write(temporary, cause, sum(t.nbytes for t in _local(state)))
         shutil.rmtree(temporary, ignore_errors=True)
@@ -233,7 +233,7 @@ class Checkpointer:
             shutil.rmtree(os.path.join(self.directory, stray), ignore_errors=True)
 
     def check_outputs(self):
-        """Collective: rank 0 tries each output path: fail now, not after training."""
+        """Collective: rank 0 tries each output path, to fail before training."""
         on_rank_0(self._check_outputs, "checking the outputs")
 
     def _check_outputs(self):
@@ -269,7 +269,7 @@ class Checkpointer:
         path, info = found
         # Not before: get_state_dict steps a fresh optimizer.
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        tensors = {"model": model_state, "optimizer": optimizer_state["state"]}  # loaded in place
+        tensors = {"model": model_state, "optimizer": optimizer_state["state"]}  # in place
         same_ranks = all(info["layout"].get(k) == self.layout[k] for k in ("world_size", "device"))
         if same_ranks:  # random states: each rank's own
             tensors["rng"] = {f"rank{dist.get_rank()}": self._random_states()}

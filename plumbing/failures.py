@@ -183,9 +183,8 @@ def on_rank_0(work, what, share=True):
 
 
 class StopSignals:
-    """Stop signals as they come (SIGTERM, SLURM's SIGUSR1, Ctrl-C, a closed terminal), and the
-    ranks' agreed stop. A second one, over a second later, ends the process: a thread watches,
-    as a rank blocked in a collective can't."""
+    """Stop signals (SIGTERM, SLURM's SIGUSR1, Ctrl-C, a closed terminal), the ranks' agreed
+    stop. A second, over a second later, ends it: a thread watches, as a blocked rank can't."""
 
     SECONDS = 1.0  # of training between two agreements: the most a stop waits
 

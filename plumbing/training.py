@@ -188,8 +188,7 @@ def autocast(args, device):  # for the forward, CPU and GPU alike
 
 class Batches:
     """Indices to (inputs, labels) batches on ``device``: by index from a TensorDataset there,
-    else one DataLoader, its workers forked once (CPython 3.11: a fork as another loader's
-    threads end can hang the child)."""
+    else one DataLoader, forked once (3.11 can hang a fork as another loader's threads end)."""
 
     def __init__(self, dataset, batch_size, device, dtype, workers=0, seed=0):
         self.dataset, self.batch_size, self.device, self.dtype = dataset, batch_size, device, dtype
@@ -222,9 +221,8 @@ class Batches:
 
 @torch.no_grad()
 def evaluate(forward, batches, rank, world_size, pipeline=False):
-    """This replica's [loss sum, correct, count] over targets, to all-reduce. Every replica
-    runs as many batches (FSDP gathers in each), padded with sample 0, uncounted;
-    ``pipeline``: full batches, ``forward(inputs, labels)``."""
+    """This replica's [loss sum, correct, count] over targets, to all-reduce. All run as many
+    batches (FSDP gathers in each), padded with sample 0, uncounted; a pipeline's are full."""
     size, count = batches.batch_size, len(batches.dataset)
     shard = torch.arange(count).tensor_split(world_size)[rank].tolist()
     longest = -(-count // world_size)
