@@ -147,7 +147,7 @@ class MetricsLog:
             self.events.close()
 
 
-def _kept(row, start_step):  # whole, and before the checkpoint or its step's training row
+def _kept(row, start_step):  # whole, and before the checkpoint or its training row
     if None in row.values():
         return False
     step = int(row["step"])
@@ -227,7 +227,7 @@ def throughput(flops, samples_per_second, world_size, device, precision, gpu_nam
         gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     peaks = [value for gpu, value in PEAK_BF16.items() if gpu in gpu_name]
     peak = peaks[0] if peaks and precision == "bf16" else None
-    achieved = flops * samples_per_second  # the global batch's: all ranks together
+    achieved = flops * samples_per_second  # all ranks together
     per_gpu = achieved / world_size
     speed = {"flops_per_sample": flops, "flops_per_second": achieved}
     speed |= {"flops_per_second_per_gpu": per_gpu, "peak_flops_per_gpu": peak}
