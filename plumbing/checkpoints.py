@@ -1,4 +1,4 @@
-"""Checkpoints and files: DCP checkpoints that resume anywhere, --init-from, whole-file writes."""
+"""Checkpoints: DCP's, resumable anywhere; --init-from; whole-file writes."""
 
 import errno
 import hashlib
@@ -21,7 +21,7 @@ FORMAT = 4  # of checkpoint.json: 4 holds the peak lr
 
 
 def write_atomically(path, write, size=0):
-    """``write(file)`` beside ``path``, then renamed: never half a file, the old one kept."""
+    """``write(file)`` to a file renamed over ``path``: never half a file."""
     folder, name = os.path.split(os.path.abspath(path))
     temporary = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
     try:
@@ -30,7 +30,7 @@ def write_atomically(path, write, size=0):
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
-    except BaseException as error:  # torch.save's RuntimeError may hide an OSError
+    except BaseException as error:  # torch.save may hide an OSError
         if os.path.exists(temporary):  # before the free space is measured
             size = max(size, os.path.getsize(temporary))
             os.remove(temporary)
@@ -40,7 +40,7 @@ def write_atomically(path, write, size=0):
 
 
 def cannot_write(path, error, needed=0):
-    """Why a write failed; for a full disk, the room left (torch.save may hide its OSError)."""
+    """Why a write failed; for a full disk, the room left."""
     error = error.__context__ if isinstance(error.__context__, OSError) else error
     free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
     if getattr(error, "errno", None) == errno.ENOSPC or free < needed:
@@ -52,8 +52,7 @@ def cannot_write(path, error, needed=0):
 
 
 def save_on_rank_0(state_dict, path):
-    """Collective: rank 0 writes ``state_dict`` as plain CPU tensors (torch.load(weights_only=True)
-    reads them) if each is finite; whatever that raises, every rank raises."""
+    """Collective: rank 0 saves finite CPU tensors (weights_only loads them)."""
 
     def write():
         state = {name: tensor.detach().cpu() for name, tensor in state_dict.items()}
@@ -74,19 +73,16 @@ def save_json(value, path):
 
 
 def init_from(model, path, log):
-    """Collective: the weights in ``path`` (torch.save's or .safetensors) into ``model``.
-
-    Rank 0 reads and checks them and broadcasts each: a node holds them once, not once per rank.
-    Call it before the model is wrapped, sharded or cut.
-    """
+    """Collective: ``path``'s weights (torch.save's or .safetensors) into ``model``, unwrapped
+    and uncut; rank 0 reads, checks and broadcasts them: a node holds them once."""
     expected = model.state_dict()
 
-    def read():  # rank 0: the file's tensors, or a UsageError naming the first that does not fit
+    def read():  # on rank 0
         if not os.path.isfile(path):
             raise UsageError(f"--init-from {path}: no such file")
         try:
             if path.endswith(".safetensors"):
-                from safetensors.torch import load_file  # optional: pip install safetensors
+                from safetensors.torch import load_file  # optional
 
                 weights = load_file(path)
             else:  # weights_only: no pickled code runs
@@ -94,7 +90,7 @@ def init_from(model, path, log):
         except ImportError:
             why = "reading .safetensors needs pip install safetensors"
             raise UsageError(f"--init-from {path}: {why}") from None
-        except Exception as error:  # not a state dict of tensors: the errors vary
+        except Exception as error:  # the errors vary
             why = " ".join(str(error).split())[:200]
             raise UsageError(f"--init-from {path} is not a file of weights ({why})") from None
         if not isinstance(weights, dict) or not all(map(torch.is_tensor, weights.values())):
@@ -119,36 +115,33 @@ def init_from(model, path, log):
     log(f"initialised the model from {path}; the optimizer and the lr schedule start afresh")
 
 
-def _local(state):  # a state's tensors, each rank's own part of a DTensor
+def _local(state):  # its tensors; of a DTensor, this rank's part
     return [getattr(t, "_local_tensor", t) for t in tree_leaves(state) if torch.is_tensor(t)]
 
 
-def _first_cause(error):  # DCP's CheckpointException holds {rank: (exception, traceback)}
+def _first_cause(error):  # DCP's failures: {rank: (exception, traceback)}
     return next(iter(getattr(error, "failures", {}).values()), [error])[0]
 
 
 class Checkpointer:
-    """``step-<N>`` in --checkpoint-dir, which every rank must see: DCP's files, by parameter name
-    (any strategy resumes any other's), and checkpoint.json with each file's SHA-256."""
+    """step-<N> in --checkpoint-dir, seen by all ranks: DCP's files, by name (any strategy
+    resumes any other's), and checkpoint.json with their SHA-256s."""
 
     def __init__(self, args, plan, device):
         self.args, self.directory, self.device = args, args.checkpoint_dir, device
         self.peak_lr, self.total_steps = plan.peak_lr, plan.total_steps
         self.layout = {"dataset": plan.dataset_name, "world_size": dist.get_world_size()}
         self.layout |= {"global_batch_size": plan.global_batch_size, "device": device.type}
-        self.branch = None  # (rank 0's) the --resume-from this run's checkpoints descend from
+        self.branch = None  # rank 0's: the --resume-from it descends from
 
     def is_due(self, step, now):
-        """At every --checkpoint-every steps, ``now`` (a stop), and at the last step: a job
-        requeued after it finished then has nothing left to do."""
+        """Each --checkpoint-every, a stop, and the end: then a requeue has nothing to do."""
         every, last = self.args.checkpoint_every, self.total_steps
         return bool(self.directory) and (now or step % every == 0 or step == last)
 
     def save(self, step, epoch, steps_into_epoch, model, optimizer, losses):
-        """Collective: save ``step-<N>`` if every weight, state and loss in ``losses`` is finite.
-
-        All ranks write into .tmp-step-<N>; rank 0 adds checkpoint.json and renames it.
-        """
+        """Collective: save step-<N> if all weights, states and ``losses`` are finite:
+        each rank writes .tmp-step-<N>; rank 0 adds checkpoint.json, renames it."""
         final = os.path.join(self.directory, f"step-{step}")
         temporary = os.path.join(self.directory, f".tmp-step-{step}")
         model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -161,11 +154,11 @@ class Checkpointer:
         if not finite:
             raise self.diverged(step, "a weight, an optimizer state or the loss is not finite")
         try:
-            dcp.save(state, checkpoint_id=temporary)  # raises on every rank if one rank's fails
+            dcp.save(state, checkpoint_id=temporary)  # one rank fails: all raise
         except (OSError, RuntimeError, CheckpointException) as error:
             raise self._not_written(step, temporary, error, state) from None
 
-        def finish():  # rank 0, once dcp.save has returned: every rank's files are written
+        def finish():  # rank 0, once every rank's files are written
             try:
                 names = sorted(os.listdir(temporary))
                 files = {name: _fingerprint(os.path.join(temporary, name)) for name in names}
@@ -174,7 +167,7 @@ class Checkpointer:
                 info |= {"samples_into_epoch": done, "peak_lr": self.peak_lr}
                 info |= {"branch": self.branch, "files": files}
                 save_json(info, os.path.join(temporary, "checkpoint.json"))
-                shutil.rmtree(final, ignore_errors=True)  # the same step saved before (a rerun)
+                shutil.rmtree(final, ignore_errors=True)  # a rerun saved it before
                 os.replace(temporary, final)
             except (OSError, UsageError) as error:
                 raise self._not_written(step, temporary, error, state) from None
@@ -182,11 +175,10 @@ class Checkpointer:
             for old in self._list_complete()[: -self.args.keep_checkpoints]:
                 shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
 
-        # Nobody exits or saves again before rank 0 is done.
-        on_rank_0(finish, f"finishing checkpoint step-{step}")
+        on_rank_0(finish, f"finishing checkpoint step-{step}")  # all wait for it
 
     def _not_written(self, step, temporary, error, state):
-        """The disk's or its permissions' UsageError, or else a Retryable."""
+        """A UsageError (the disk, its permissions), or else a Retryable."""
         cause = _first_cause(error)
         why = cannot_write(temporary, cause, sum(t.nbytes for t in _local(state)))
         shutil.rmtree(temporary, ignore_errors=True)
@@ -201,12 +193,12 @@ class Checkpointer:
         return Retryable(f"{line}; the ones saved before it are intact")
 
     def refuse_divergence(self, step, loss):
-        """Raise ``diverged`` if ``loss``, the same on every rank, is not finite."""
+        """Raise ``diverged`` if ``loss`` (every rank's) is not finite."""
         if not math.isfinite(loss):
             raise self.diverged(step, f"the training loss is {loss}")
 
     def diverged(self, step, what):
-        """The UsageError of a run that diverged at ``step``, naming its newest checkpoint."""
+        """A diverged run's UsageError, naming its newest checkpoint."""
         if not self.directory:
             saved = "nothing was saved: no --checkpoint-dir"
         elif complete := self._list_complete():
@@ -222,7 +214,7 @@ class Checkpointer:
             f"or it diverges again ({saved})"
         )
 
-    def _random_states(self):  # this rank's generators: the CPU's, and its GPU's
+    def _random_states(self):
         states = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             states["cuda"] = torch.cuda.get_rng_state(self.device)
@@ -232,7 +224,7 @@ class Checkpointer:
         has_folder = self.directory and os.path.isdir(self.directory)
         return os.listdir(self.directory) if has_folder else []
 
-    def _list_complete(self):  # the complete checkpoints' names, oldest first
+    def _list_complete(self):  # oldest first
         names = [n for n in self._names() if n.startswith("step-") and n[5:].isdigit()]
         return sorted(names, key=lambda name: int(name[5:]))
 
@@ -241,7 +233,7 @@ class Checkpointer:
             shutil.rmtree(os.path.join(self.directory, stray), ignore_errors=True)
 
     def check_outputs(self):
-        """Collective: rank 0 writes where each output goes, to fail now, not after training."""
+        """Collective: rank 0 tries each output path, to fail before training."""
         on_rank_0(self._check_outputs, "checking the outputs")
 
     def _check_outputs(self):
@@ -270,17 +262,14 @@ class Checkpointer:
                 raise UsageError(f"{flag} {path}: cannot write there ({why})") from None
 
     def resume(self, model, optimizer, log):
-        """Collective: every rank loads its part of the newest intact checkpoint, if any.
-
-        Returns where training goes on: step, epoch, samples_into_epoch.
-        """
+        """Collective: load the newest intact checkpoint, if any; where to go on."""
         found = on_rank_0(lambda: self._newest_intact(log), "finding a checkpoint")
         if found is None:
             return {"step": 0, "epoch": 0, "samples_into_epoch": 0}
         path, info = found
         # Not before: get_state_dict steps a fresh optimizer.
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        tensors = {"model": model_state, "optimizer": optimizer_state["state"]}  # loaded in place
+        tensors = {"model": model_state, "optimizer": optimizer_state["state"]}  # in place
         same_ranks = all(info["layout"].get(k) == self.layout[k] for k in ("world_size", "device"))
         if same_ranks:  # random states: each rank's own
             tensors["rng"] = {f"rank{dist.get_rank()}": self._random_states()}
@@ -288,8 +277,7 @@ class Checkpointer:
             dcp.load(tensors, checkpoint_id=path)
         except (Exception, CheckpointException) as error:  # the same on every rank
             cause = _first_cause(error)
-            # Its files match their SHA-256s: a name or a shape this model lacks is another
-            # model's checkpoint; anything else (a peer lost) may pass on a retry.
+            # Intact files: a missing name or shape is another model's; else a retry may pass.
             if isinstance(cause, (ValueError, KeyError)) or str(cause).startswith("Missing key"):
                 why = " ".join(str(cause).split())[:200]
                 raise UsageError(
@@ -308,15 +296,15 @@ class Checkpointer:
             else:
                 torch.cuda.set_rng_state(state, self.device)
         log(f"resumed from {path} (step {info['step']}, epoch {info['epoch'] + 1})")
-        if self.args.init_from:  # a restarted or requeued job goes on; it does not start over
+        if self.args.init_from:  # a requeued job goes on, not over
             log(f"--init-from {self.args.init_from} is not used: the checkpoint is newer")
-        if info["peak_lr"] != self.peak_lr:  # another --lr, or global batch with --scale-lr
+        if info["peak_lr"] != self.peak_lr:  # another --lr or --scale-lr batch
             log(
                 f"the peak lr is now {self.peak_lr:g}, not the checkpoint's {info['peak_lr']:g}: "
                 "the schedule goes on"
             )
         saved, batch = info["samples_into_epoch"], self.layout["global_batch_size"]
-        back = saved % batch  # steps start at multiples of the global batch
+        back = saved % batch  # steps start at whole global batches
         if back:
             log(
                 f"the global batch changed from {info['layout']['global_batch_size']} to {batch}: "
@@ -328,13 +316,12 @@ class Checkpointer:
     def _newest_intact(self, log):
         """On rank 0: (path, checkpoint.json) or None; --resume-from's, if given."""
         found, chosen = self._newest_in_directory(log), self.args.resume_from
-        self.branch = found[1].get("branch") if found else None  # in the checkpoints it saves
+        self.branch = found[1].get("branch") if found else None  # its checkpoints keep it
         if not chosen:
             return found
-        if found and self.branch == chosen:  # a rerun of the same command (a requeue, a restart)
+        if found and self.branch == chosen:  # a requeue or a restart
             log(f"--resume-from {chosen} was applied before: its branch goes on from {found[0]}")
             return found
-        # step-<N> in --checkpoint-dir, or a path
         path = chosen if os.sep in chosen else os.path.join(self.directory or ".", chosen)
         info, problem = _verify(path, self.layout)
         if problem:
@@ -350,7 +337,7 @@ class Checkpointer:
         return path, info
 
     def _newest_in_directory(self, log):
-        """On rank 0: (path, checkpoint.json) or None; damaged newer ones are moved aside."""
+        """On rank 0: (path, checkpoint.json) or None; newer damaged ones go aside."""
         damaged = []  # (name, what is wrong), newest first
         self._remove_strays()
         for name in reversed(self._list_complete()):
@@ -367,7 +354,7 @@ class Checkpointer:
                     )
                 return path, info
             damaged.append((name, problem))
-        if damaged:  # nothing is moved: a restart must not start again from step 0 unsaid
+        if damaged:  # none moved: a restart must not go back to step 0 unsaid
             faults = "; ".join(f"{bad}: {why}" for bad, why in damaged)
             raise UsageError(
                 f"no intact checkpoint in {self.directory}: {faults}; restore one, "
@@ -376,7 +363,7 @@ class Checkpointer:
 
 
 def _verify(path, layout=None):
-    """(checkpoint.json, None) if every file matches it, or (None, what is damaged)."""
+    """(checkpoint.json, None) if every file matches, or (None, what is damaged)."""
     manifest = os.path.join(path, "checkpoint.json")
     try:
         with open(manifest) as file:
@@ -387,7 +374,7 @@ def _verify(path, layout=None):
             raise ValueError(found)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         return None, f"checkpoint.json is unreadable: {error}"
-    if layout and info["layout"]["dataset"] != layout["dataset"]:  # another model's parameters
+    if layout and info["layout"]["dataset"] != layout["dataset"]:  # another model's
         raise UsageError(
             f"checkpoint {manifest} was saved with dataset {info['layout']['dataset']}, "
             f"this run has dataset {layout['dataset']}; use another --checkpoint-dir "
@@ -405,7 +392,7 @@ def _verify(path, layout=None):
     return info, None
 
 
-def _unused(path):  # path, or path-2, path-3, ...: the first that does not exist
+def _unused(path):  # path, or the first free path-2, path-3, ...
     taken, number = path, 1
     while os.path.lexists(taken):
         number += 1

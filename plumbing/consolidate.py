@@ -2,10 +2,9 @@
 
 CHECKPOINT_DIR is a step-<N> directory, or a --checkpoint-dir, whose newest step-<N> is taken (the
 line printed says which). Whichever script and world size wrote it (DDP, FSDP's shards, pipeline
-stages, TP x FSDP's DTensors), OUT.pt holds what --save writes: the plain model's state dict, full
-tensors, the model only, for model.load_state_dict(torch.load("OUT.pt", weights_only=True)). One
-process, no process group, no GPU. A checkpoint whose files do not match the SHA-256s in its
-checkpoint.json, or a directory that holds none, is one line on stderr, exit code 2.
+stages, TP x FSDP's DTensors), OUT.pt holds what --save writes: the model's full state dict, for
+model.load_state_dict(torch.load("OUT.pt", weights_only=True)). One process, no process group, no
+GPU. A checkpoint that fails its SHA-256s, or a directory with none, is one line, exit code 2.
 """
 
 import argparse
@@ -20,7 +19,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from plumbing.checkpoints import _verify, write_atomically
 from plumbing.failures import UsageError
 
-PREFIX = "model."  # Checkpointer.save saves {"model": ..., "optimizer": ..., "rng": ...}
+PREFIX = "model."  # Checkpointer.save's {"model": ..., "optimizer": ..., "rng": ...}
 
 
 def newest(directory):
@@ -29,7 +28,7 @@ def newest(directory):
         raise UsageError(f"{directory} is not a directory: give a step-<N> or a --checkpoint-dir")
     if os.path.exists(os.path.join(directory, "checkpoint.json")):
         return directory
-    # Only complete saves are named step-<N>: a save is renamed from .tmp-step-<N> once written.
+    # Only complete saves are named step-<N>, renamed from .tmp-step-<N> once written.
     steps = [n for n in os.listdir(directory) if n.startswith("step-") and n[5:].isdigit()]
     if not steps:
         raise UsageError(
@@ -41,15 +40,15 @@ def newest(directory):
 def consolidate(directory, out):
     """Write the model of ``directory`` (see newest) to ``out``; return a line that says what."""
     path = newest(directory)
-    info, problem = _verify(path)  # each file's size and SHA-256, as checkpoint.json has them
+    info, problem = _verify(path)  # each file's size and SHA-256
     if problem:  # DCP has no checksum: it would read damaged bytes as weights
         raise UsageError(f"checkpoint {path} is damaged ({problem}): nothing was written")
     metadata, tensors = dcp.FileSystemReader(path).read_metadata(), {}
     saved = metadata.state_dict_metadata
-    # The model's entries only, never the optimizer's, each allocated once at its full size: DCP
-    # copies every rank's part (a shard, a stage's tensors) into its place. In the order of DCP's
-    # map of the ranks' names (planner_data, last rank first): the model's, as in --save's file,
-    # where every rank holds every name (DDP, FSDP, TP); a pipeline's last stage comes first.
+    # The model's entries only, each allocated once at full size: DCP copies every rank's part
+    # (a shard, a stage's) into place. In DCP's order of the ranks' names (planner_data, last rank
+    # first): the model's, as --save's, where each rank holds every name (DDP, FSDP, TP); a
+    # pipeline's last stage comes first.
     for key in dict.fromkeys([*(metadata.planner_data or {}), *saved]):
         if key.startswith(PREFIX) and key in saved:
             if not isinstance(saved[key], TensorStorageMetadata):
@@ -60,11 +59,11 @@ def consolidate(directory, out):
     if not tensors:
         raise UsageError(f"checkpoint {path} holds no {PREFIX}* tensors: not one of these scripts'")
     state = {"model": tensors}
-    with warnings.catch_warnings():  # that it reads in one process, without a group: as intended
+    with warnings.catch_warnings():  # one process, no group: as intended
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=path, no_dist=True)  # one process: no collective
-    # What --save writes, atomically. Not through checkpoints.save_on_rank_0: its check that each
-    # tensor is finite holds temporaries up to 3 x the largest; Checkpointer.save saved finite ones.
+    # As --save, not by save_on_rank_0: its finite check holds temporaries up to 3 x the largest
+    # tensor, and Checkpointer.save saved finite ones.
     size = sum(t.nbytes for t in tensors.values())
     write_atomically(out, lambda file: torch.save(state["model"], file), size)
     return (

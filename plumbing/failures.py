@@ -16,11 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-# The signals torchrun passes on to its workers (launch_torchrun.py sets the same list).
+# The signals torchrun passes on to its workers (launch_torchrun.py lists the same).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
-# EX_TEMPFAIL: may pass on a retry; torchrun restarts it, and not a bad input's 2.
-RETRY_EXIT = 75
-# A failed write the user must fix: the disk or its permissions, not a passing fault.
+RETRY_EXIT = 75  # EX_TEMPFAIL: torchrun restarts it, not a bad input's 2
+# A failed write the user must fix (the disk, its permissions), not a passing fault.
 USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR}
 USER_ERRNOS |= {errno.EISDIR}
 
@@ -41,12 +40,12 @@ class Stopped(Exception):
     """A stop signal the ranks agreed on: its line, and exit code 128 + the signal."""
 
 
-def is_rank_0():  # the one gate for what rank 0 alone prints or writes (torchrun sets RANK)
+def is_rank_0():  # the one gate for rank 0's own output; torchrun sets RANK
     return int(os.environ.get("RANK", "0")) == 0
 
 
 def say(line, rank=None):
-    """Print ``line`` on stderr from global rank 0 (or ``rank`` 0), naming torchrun's restart."""
+    """``line`` on stderr from rank 0 (or ``rank`` 0), naming torchrun's restart."""
     if not (is_rank_0() if rank is None else rank == 0):
         return False
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -55,10 +54,10 @@ def say(line, rank=None):
 
 
 def run(main, *also):
-    """Run ``main()`` as a worker, then end the process group: each ending is one line and an
-    exit code (2: a UsageError or an ``also``; 75: ``transient``; 1: a crash; 128 + a signal)."""
+    """``main()``, then the process group's end: one line and an exit code (2: a UsageError
+    or an ``also``; 75: ``transient``; 1: a crash; 128 + a signal)."""
     die_with_torchrun()
-    ending = None  # (line, exit code, the rank that says it, whether torchrun's file notes it)
+    ending = None  # (line, exit code, the rank that says it, note it for torchrun?)
     try:
         main()
     except (UsageError, *also) as error:
@@ -70,13 +69,13 @@ def run(main, *also):
         ending = ("stopped by SIGINT during start-up", 130, None, True)
     except Exception as error:
         under_torchrun = bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
-        if line := transient(error):  # each failed rank's own line: the launcher prints the first
+        if line := transient(error):  # each rank's: the launcher prints the first
             why = "exit code 75: torchrun restarts it while MAX_RESTARTS allows"
             line = f"error: {line}; it may pass on a retry ({why})"
             ending = (line, RETRY_EXIT, -1 if under_torchrun else 0, True)
         elif under_torchrun:  # for the launcher, if this rank failed first
             ending = (traceback.format_exc().rstrip(), 1, -1, True)
-        else:  # plain python: Python's traceback, once main's objects are gone (not its lines)
+        else:  # plain python: its traceback, main's objects gone first
             traceback.clear_frames(error.__traceback__)
             _end_process_group()
             raise
@@ -86,16 +85,14 @@ def run(main, *also):
 
 
 def _end_process_group():
-    # main's objects went with its frame (the progress bar closes, DDP lets go of the group);
-    # FSDP's sit in reference cycles: collected now, then the group and gloo's threads end.
+    # FSDP's objects sit in reference cycles: collected before the group and gloo's threads end.
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def die_with_torchrun():
-    """Under torchrun on Linux, be killed when it dies: SIGKILL (the OOM killer, a scheduler)
-    gives it no chance to stop its workers, which would race a restart for --checkpoint-dir."""
+    """Die with torchrun (Linux): a SIGKILLed torchrun's workers would race its restart."""
     launcher = os.getppid()
     if "RANK" in os.environ and sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
@@ -123,9 +120,8 @@ def transient(error):
 
 
 def _end(line, exit_code, rank, note):
-    """Say ``line``, note it in torchrun's error file, and exit at once, with no interpreter
-    shutdown, where threads a failed run left behind could abort it."""
-    for number in STOP_SIGNALS:  # said and noted, or neither: torchrun may be stopping it
+    """Say and note ``line``; exit with no shutdown, which stray threads could abort."""
+    for number in STOP_SIGNALS:  # torchrun may be stopping it: all or nothing
         signal.signal(number, signal.SIG_IGN)
     said = say(line, rank)
     here = rank is not None or os.environ.get("GROUP_RANK", "0") == "0"  # its node speaks
@@ -133,7 +129,7 @@ def _end(line, exit_code, rank, note):
     if path and note:  # torchrun's format, and what the launcher reads
         info = {"message": line, "timestamp": int(time.time()), "time": time.time()}
         info |= {"said": said, "here": here, "exit_code": exit_code}
-        with open(path + ".tmp", "w") as file:  # renamed when whole: never half a note
+        with open(path + ".tmp", "w") as file:  # never half a note
             json.dump(info, file)
         os.replace(path + ".tmp", path)
     sys.stdout.flush()
@@ -144,7 +140,7 @@ def _end(line, exit_code, rank, note):
 def process_group_options(device):
     """init_process_group's options: torchrun's ranks and store, or a group of one."""
     timeout = timedelta(minutes=10)  # a collective that waits longer fails: no hang
-    if "RANK" not in os.environ:  # plain `python train_*.py`: every collective runs unchanged
+    if "RANK" not in os.environ:  # plain python: every collective runs unchanged
         return dict(store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device_id = device if device.type != "cpu" else None  # a GPU's group connects at once
@@ -153,9 +149,8 @@ def process_group_options(device):
 
 
 def _store_for_this_attempt(timeout):
-    """torchrun's store, under a prefix of this attempt's own (None: env://): torchrun keeps one
-    store across its restarts, where a restarted worker would read the dead workers' addresses
-    and fail ("Connection refused", pytorch issue 135712)."""
+    """torchrun's store, prefixed by this attempt (None: env://): its one store outlives restarts,
+    and a restart would dial dead workers ("Connection refused", pytorch issue 135712)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -166,14 +161,14 @@ def _store_for_this_attempt(timeout):
 
 def on_rank_0(work, what, share=True):
     """Collective: rank 0 runs ``work()``; its result on every rank (``share``) or on rank 0.
-    Whatever rank 0 raises, every rank raises at once: none waits for a collective it skips."""
+    What rank 0 raises, all raise at once: none waits for a collective it skips."""
     result, problem = None, None  # problem: the error every rank raises
     if dist.get_rank() == 0:
         try:
             result = work()
         except UsageError as error:
             problem = UsageError(str(error))
-        except Exception as error:  # a bug too: its traceback here, its line on every rank
+        except Exception as error:  # a bug: its traceback here, its line everywhere
             if line := transient(error):
                 problem = Retryable(line)
             else:
@@ -188,16 +183,14 @@ def on_rank_0(work, what, share=True):
 
 
 class StopSignals:
-    """Stop signals (a scheduler's SIGTERM, SLURM's SIGUSR1 warning, Ctrl-C's SIGINT, a closed
-    terminal's SIGHUP and SIGQUIT), recorded as they come, and the ranks' agreement on when to
-    stop. A second signal, over a second later, ends the process: a thread watches, as a rank
-    blocked in a collective can't."""
+    """Stop signals (SIGTERM, SLURM's SIGUSR1, Ctrl-C, a closed terminal), the ranks' agreed
+    stop. A second, over a second later, ends it: a thread watches, as a blocked rank can't."""
 
     SECONDS = 1.0  # of training between two agreements: the most a stop waits
 
     def __init__(self, start_step):
         self.received = self.agreed = 0
-        self.next_check, self.steps = start_step + 1, 1  # after the first step, then each second
+        self.next_check, self.steps = start_step + 1, 1  # the first step, then each second
         self.clock = None  # (time, step) of the last agreement
         read, write = os.pipe()
         os.set_blocking(write, False)
@@ -218,17 +211,17 @@ class StopSignals:
                     os._exit(128 + number)
 
     def agree_now(self, step, logging_step, device):
-        """Collective at ``logging_step``s and about once a second: the signal to stop on, or 0.
-        Elsewhere 0, with no collective: the steps, so the checks, are the same on every rank."""
+        """Collective at ``logging_step``s and about each second: the signal to stop on, or 0.
+        Else 0, with no collective: every rank checks at the same steps."""
         if not (logging_step or step >= self.next_check):
             return 0
-        # [the signal received here or 0, -(steps to this rank's next check)], their MAXes
+        # MAXes of [the signal here or 0, -(steps to this rank's next check)]
         agreed = torch.tensor([self.received, -self.steps], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         self.agreed, minus_fewest = agreed.tolist()  # one sync
-        fewest = -minus_fewest  # the fewest steps to its next check that a rank proposed
+        fewest = -minus_fewest  # the fewest steps any rank proposed
         now = time.monotonic()
-        if self.clock and step > self.clock[1]:  # propose SECONDS' worth, at most twice as many
+        if self.clock and step > self.clock[1]:  # SECONDS' worth, at most twice as many
             seconds_per_step = max(now - self.clock[0], 1e-9) / (step - self.clock[1])
             self.steps = int(max(1, min(2 * fewest, self.SECONDS / seconds_per_step, 1e6)))
         self.clock, self.next_check = (now, step), step + fewest

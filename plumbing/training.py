@@ -1,4 +1,4 @@
-"""Training arithmetic and flags: the shared flags, the step plan and lr, batches, evaluation."""
+"""Training arithmetic and flags: shared flags, the step plan and lr, batches, evaluation."""
 
 import argparse
 import math
@@ -13,11 +13,11 @@ from plumbing.failures import NodeError, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse prints usage and error on every rank: one line, once
+    def error(self, message):  # not usage on every rank: one line, once
         raise UsageError(f"{message} (see --help)")
 
-    def parse_known_args(self, args=None, namespace=None):  # twice: then with --model's defaults
-        first = super().parse_known_args(args)[0]  # the values given, with the plain defaults
+    def parse_known_args(self, args=None, namespace=None):  # twice: for --model's defaults
+        first = super().parse_known_args(args)[0]  # with the plain defaults
         namespace = namespace or argparse.Namespace()
         for flag, defaults in self.presets.items():  # {dest: {value: {dest: default}}}
             vars(namespace).update(defaults.get(getattr(first, flag), {}))  # a flag given wins
@@ -25,7 +25,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    def _get_help_string(self, action):  # "(default: X)" only where X says something, once
+    def _get_help_string(self, action):  # "(default: X)" once, where X says something
         quiet = action.default is None or "(default" in action.help
         return action.help if quiet else super()._get_help_string(action)
 
@@ -86,16 +86,15 @@ def parser(description, *more):
     add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")
     add("--log-dir", metavar="DIR", help="rank 0 appends a row per logging step to metrics.csv")
     add("--profile-steps", metavar="A:B", type=step_range, help="a trace of steps A to B per rank")
-    p.presets = {}  # the defaults a flag's value sets, which each of ``more`` may return
+    p.presets = {}  # the defaults a flag's value sets: each of ``more`` may add some
     for add_more in more:
         p.presets.update(add_more(p) or {})
     return p
 
 
 class Plan:
-    """A run's arithmetic: steps per epoch, total steps, the global batch, each step's lr: a
-    linear warmup times, for --lr-schedule cosine, a cosine from step 0, so the highest lr used,
-    ``top_lr`` at the warmup's end, is below the peak (0.97 x for 100 warmup steps of 1,000)."""
+    """A run's steps, global batch and lr: a linear warmup times (cosine) a cosine from step 0,
+    so ``top_lr``, at the warmup's end, is below the peak (0.97 x for 100 steps of 1,000)."""
 
     def __init__(self, args, samples, replicas, dataset_name, replica="ranks"):
         self.samples_per_step = args.batch_size * args.grad_accum  # per replica
@@ -114,7 +113,7 @@ class Plan:
         self.peak_lr, self.warmup_steps = peak_and_warmup(args, batch, total)
         self.cosine = args.lr_schedule == "cosine"
 
-    def lr(self, step):  # a function of the step: a resumed run goes on exactly
+    def lr(self, step):  # of the step alone: a resumed run goes on exactly
         decay = 0.5 + 0.5 * math.cos(math.pi * step / self.total_steps) if self.cosine else 1.0
         return self.peak_lr * min(1.0, (step + 1) / (self.warmup_steps + 1)) * decay
 
@@ -127,8 +126,7 @@ def peak_and_warmup(args, global_batch_size, total_steps):
     """The peak lr (--scale-lr: the linear scaling rule) and the warmup's steps."""
     peak = args.lr if args.lr is not None else {"adamw": 3e-3, "sgd": 0.01}[args.optimizer]
     peak *= global_batch_size / args.base_batch_size if args.scale_lr else 1
-    warmup = args.warmup_steps
-    warmup = min(100, total_steps // 5) if warmup is None else warmup
+    warmup = min(100, total_steps // 5) if args.warmup_steps is None else args.warmup_steps
     if 2 * warmup > total_steps:
         raise UsageError(
             f"--warmup-steps {warmup} is more than half of this run's {total_steps} steps: the lr "
@@ -138,13 +136,13 @@ def peak_and_warmup(args, global_batch_size, total_steps):
     return peak, warmup
 
 
-def set_lr(optimizer, lr):  # on every parameter group: the schedule's, not the optimizer's
+def set_lr(optimizer, lr):  # the schedule's, on every parameter group
     for group in optimizer.param_groups:
         group["lr"] = lr
 
 
 def make_optimizer(args, parameters):
-    """Fused AdamW, or foreach SGD (fused has no DTensor rule): not a Python loop."""
+    """Fused AdamW, or foreach SGD (fused has no DTensor rule): no Python loop."""
     decay = args.weight_decay
     decay = {"adamw": 0.01, "sgd": 5e-4}[args.optimizer] if decay is None else decay
     if args.optimizer == "sgd":
@@ -155,7 +153,7 @@ def make_optimizer(args, parameters):
 
 
 def pick_device(flag, local_rank):
-    """--device: this rank's accelerator (by LOCAL_RANK) or the CPU; one line if too few."""
+    """--device: this rank's accelerator (LOCAL_RANK) or the CPU; one line if too few."""
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     if flag == "cpu" or (flag == "auto" and accelerator is None):
         return torch.device("cpu")
@@ -183,16 +181,14 @@ def dtype_of(args):  # the weights' dtype: bf16 runs fp32 weights under autocast
     return torch.float64 if args.precision == "fp64" else torch.float32
 
 
-def autocast(args, device):  # bf16 autocast for the forward (CPU and GPU alike), or nothing
+def autocast(args, device):  # for the forward, CPU and GPU alike
     bf16 = args.precision == "bf16"
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
 
 class Batches:
-    """Called with indices: (inputs, labels) of ``dataset`` there, a batch at a time, on ``device``.
-    A TensorDataset on the device is gathered by index; any other goes through one DataLoader,
-    its ``workers`` forked once and kept: a fork while another loader's threads end can hang the
-    child, CPython 3.11."""
+    """Indices to (inputs, labels) batches on ``device``: by index from a TensorDataset there,
+    else one DataLoader, forked once (3.11 can hang a fork as another loader's threads end)."""
 
     def __init__(self, dataset, batch_size, device, dtype, workers=0, seed=0):
         self.dataset, self.batch_size, self.device, self.dtype = dataset, batch_size, device, dtype
@@ -225,9 +221,8 @@ class Batches:
 
 @torch.no_grad()
 def evaluate(forward, batches, rank, world_size, pipeline=False):
-    """This replica's [loss sum, correct, count] of ``forward`` on its slice, to all-reduce, over
-    targets (a sample's or a token's). All replicas run as many batches (FSDP gathers in each),
-    padded with sample 0, uncounted; ``pipeline``: full batches, ``forward(inputs, labels)``."""
+    """This replica's [loss sum, correct, count] over targets, to all-reduce. All run as many
+    batches (FSDP gathers in each), padded with sample 0, uncounted; a pipeline's are full."""
     size, count = batches.batch_size, len(batches.dataset)
     shard = torch.arange(count).tensor_split(world_size)[rank].tolist()
     longest = -(-count // world_size)

@@ -1,4 +1,4 @@
-"""Watching a run: rank 0's lines and progress bar, --log-dir's rows, traces, FLOPs, metrics."""
+"""Watching a run: rank 0's lines and bar, --log-dir's rows, traces, FLOPs, metrics."""
 
 import csv
 import io
@@ -25,26 +25,25 @@ def log(line):
 
 
 class Progress:
-    """Rank 0's progress: a bar in a terminal, else a line at each logging step. It keeps the loss
-    curve ([step, loss, training seconds]), --log-dir's rows and the training clock, read only at
-    logging steps (on a GPU it waits for the kernels)."""
+    """Rank 0's bar (in a terminal) or lines; the loss curve, --log-dir's rows and the
+    training clock, read only at logging steps (a GPU syncs)."""
 
     def __init__(self, plan, log_every, device, start_step=0, log_dir=None):
         self.total_steps, self.log_every = plan.total_steps, log_every
         self.global_batch_size = plan.global_batch_size
-        self.start_step = self.step = start_step  # a resumed run counts on from its checkpoint
+        self.start_step = self.step = start_step  # a resumed run counts on
         self.train_seconds, self.loss_curve, self.final_train_loss = 0.0, [], float("nan")
-        self.whose = ""  # whose the logged loss is, as record_loss's label says
-        self.grad_norms = []  # [step, the norm before clipping] at each logging step, if clipped
-        self.test_loss = self.test_accuracy = None  # the last evaluation's: none with --no-eval
+        self.whose = ""  # whose loss it is, from record_loss's label
+        self.grad_norms = []  # [step, norm before clipping], if clipped
+        self.test_loss = self.test_accuracy = None  # the last evaluation's
         self.device = device
         self.synchronize = torch.accelerator.synchronize if device.type != "cpu" else lambda: None
-        shown = is_rank_0() and sys.stdout.isatty()  # rank 0's bar, in a terminal
+        shown = is_rank_0() and sys.stdout.isatty()
         options = dict(unit="step", file=sys.stdout, dynamic_ncols=True, disable=not shown)
         self.bar = tqdm(total=self.total_steps, initial=start_step, **options)
         self.rows = MetricsLog(log_dir, start_step) if log_dir and is_rank_0() else None
 
-    def start_epoch(self, epoch):  # the clock runs from here: every epoch ends with a logging step
+    def start_epoch(self, epoch):  # the clock restarts: epochs end at logging steps
         self.epoch = epoch
         self.bar.set_description(f"epoch {epoch + 1}", refresh=False)
         self.synchronize()
@@ -52,14 +51,13 @@ class Progress:
 
     def count_step(self):
         self.step += 1
-        self.bar.update()  # no wait for the device: the bar's clock reads the host's
+        self.bar.update()  # no device wait: the bar reads the host's clock
 
-    def is_logging_step(self, end_of_epoch):  # the loss window is to be reduced and logged
+    def is_logging_step(self, end_of_epoch):  # the loss is reduced and logged
         return self.step % self.log_every == 0 or self.step == self.total_steps or end_of_epoch
 
     def record_loss(self, loss, label, lr, norm=None):
-        """A logging step's loss: the bar, the line, --log-dir's row; ``norm``: the gradients'
-        (a tensor), before clipping."""
+        """A logging step's loss: bar, line, row; ``norm``: a tensor, before clipping."""
         grad_norm = None if norm is None else norm.item()
         self.synchronize()
         now = time.perf_counter()
@@ -79,7 +77,7 @@ class Progress:
             row = {"step": self.step, "epoch": self.epoch + 1, "train_loss": loss, "lr": lr}
             self.rows.write(**row, grad_norm=grad_norm, samples_per_second=self.rate())
 
-    def record_test(self, test_loss, test_accuracy):  # the epoch's line, and its row
+    def record_test(self, test_loss, test_accuracy):  # the epoch's line and row
         self.test_loss, self.test_accuracy = test_loss, test_accuracy
         train = f"train loss {self.final_train_loss:.4f} {self.whose}"
         test = f"test loss {test_loss:.4f}, test accuracy {test_accuracy:.2%}"
@@ -88,7 +86,7 @@ class Progress:
             row = {"step": self.step, "epoch": self.epoch + 1, "test_loss": test_loss}
             self.rows.write(**row, test_accuracy=test_accuracy)
 
-    def close(self):  # the bar's last state stays on the screen; the files are closed
+    def close(self):  # the bar stays on the screen
         self.bar.close()
         if self.rows:
             self.rows.close()
@@ -106,9 +104,8 @@ class Progress:
 
 
 class MetricsLog:
-    """--log-dir's metrics.csv: a row per logging step and per evaluation, flushed as written. A
-    resumed run keeps the rows up to its checkpoint's step (not that step's evaluation, which it
-    runs again): no step twice, none missing. TensorBoard's events beside it, if installed."""
+    """--log-dir's metrics.csv and, if installed, TensorBoard's events. A resumed run keeps
+    the rows to its checkpoint: no step twice, none missing."""
 
     FIELDS = ["step", "epoch", "train_loss", "lr", "grad_norm", "samples_per_second"]
     FIELDS += ["test_loss", "test_accuracy"]
@@ -116,7 +113,7 @@ class MetricsLog:
     def __init__(self, directory, start_step):
         self.path = os.path.join(directory, "metrics.csv")
         rows = []
-        if os.path.exists(self.path):  # a resumed run's: up to its checkpoint, whole rows only
+        if os.path.exists(self.path):  # a resumed run's
             with open(self.path, newline="") as file:
                 rows = [row for row in csv.DictReader(file) if _kept(row, start_step)]
         text = io.StringIO()
@@ -135,7 +132,7 @@ class MetricsLog:
         else:  # purge_step: drops the events after the checkpoint
             self.events = SummaryWriter(directory, purge_step=start_step + 1)
 
-    def write(self, **row):  # flushed: a killed run loses no row before its checkpoint
+    def write(self, **row):  # flushed: a kill loses no row before the checkpoint
         self.writer.writerow(row)
         self.file.flush()
         if self.events:
@@ -150,7 +147,7 @@ class MetricsLog:
             self.events.close()
 
 
-def _kept(row, start_step):  # a whole row from before the checkpoint, or its step's training row
+def _kept(row, start_step):  # whole, and before the checkpoint or its training row
     if None in row.values():
         return False
     step = int(row["step"])
@@ -158,8 +155,7 @@ def _kept(row, start_step):  # a whole row from before the checkpoint, or its st
 
 
 class Profiler:
-    """--profile-steps A:B: torch.profiler from step A to B; each rank writes its trace (Chrome or
-    Perfetto JSON) to --log-dir/trace-rank<R>.json, and on a GPU its memory timeline beside it."""
+    """--profile-steps A:B: each rank's trace of steps A to B, in --log-dir."""
 
     def __init__(self, args, rank, device, start_step, total_steps):
         self.first, self.last = args.profile_steps or (0, -1)
@@ -192,12 +188,11 @@ class Profiler:
 
 
 def flops_per_sample(model, inputs):
-    """FLOPs of a forward and a backward on one sample (eval mode: BatchNorm takes one, and no
-    running statistic moves). Refuses an output the loss cannot take: before the first step."""
-    model.eval()
+    """FLOPs of a forward and a backward on one sample."""
+    model.eval()  # BatchNorm takes one sample; no running statistic moves
     with FlopCounterMode(display=False) as counter:
         logits = model(inputs)
-        if not torch.is_tensor(logits) or logits.dim() < 2:  # what the loss takes
+        if not torch.is_tensor(logits) or logits.dim() < 2:  # refused before the first step
             raise UsageError(
                 f"your model's forward returned {type(logits).__name__}, not one tensor of logits "
                 "(..., classes): return only the logits (a Hugging Face model's output.logits)"
@@ -209,7 +204,7 @@ def flops_per_sample(model, inputs):
 
 
 def describe(args, plan, param_count, flops, unit="rank"):
-    """The start line's figures: the batch per ``unit`` (a data-parallel replica), ..., steps."""
+    """The start line's figures; ``unit``: a data-parallel replica."""
     replicas = plan.global_batch_size // plan.samples_per_step
     top = ""
     if plan.top_lr < plan.peak_lr:  # a cosine, from step 0
@@ -223,8 +218,7 @@ def describe(args, plan, param_count, flops, unit="rank"):
     )
 
 
-# Dense bf16 tensor-core FLOP/s, the SXM parts' data sheets.
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, SXM data sheets
 
 
 def throughput(flops, samples_per_second, world_size, device, precision, gpu_name=None):
@@ -233,7 +227,7 @@ def throughput(flops, samples_per_second, world_size, device, precision, gpu_nam
         gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     peaks = [value for gpu, value in PEAK_BF16.items() if gpu in gpu_name]
     peak = peaks[0] if peaks and precision == "bf16" else None
-    achieved = flops * samples_per_second  # the global batch's samples: all ranks together
+    achieved = flops * samples_per_second  # all ranks together
     per_gpu = achieved / world_size
     speed = {"flops_per_sample": flops, "flops_per_second": achieved}
     speed |= {"flops_per_second_per_gpu": per_gpu, "peak_flops_per_gpu": peak}
@@ -254,7 +248,7 @@ def memory(model, optimizer, device):
 
 
 def write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run):
-    """Collective: rank 0 gathers every rank's memory (and ``rank_info``) and writes --metrics."""
+    """Collective: rank 0 gathers each rank's memory (and ``rank_info``), writes --metrics."""
     world_size, device = dist.get_world_size(), progress.device
     rank_info = run.pop("rank_info", {}) | memory(model, optimizer, device)
     ranks = [None] * world_size
