@@ -1,4 +1,4 @@
-"""Checkpoints: DCP's, resumable anywhere; --init-from; whole-file writes."""
+"""Checkpoints and files: DCP checkpoints, --init-from, whole-file writes."""
 
 import errno
 import hashlib
@@ -52,7 +52,7 @@ def cannot_write(path, error, needed=0):
 
 
 def save_on_rank_0(state_dict, path):
-    """Collective: rank 0 saves finite CPU tensors (weights_only loads them)."""
+    """Collective: rank 0 saves finite CPU tensors (for weights_only); all raise its errors."""
 
     def write():
         state = {name: tensor.detach().cpu() for name, tensor in state_dict.items()}
