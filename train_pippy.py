@@ -117,7 +117,7 @@ def main():
     profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
     window = []  # micro-step losses since the last log, on the device
     stop = failures.StopSignals(resumed["step"])  # records signals as they come
-    norm = None  # before clipping, with --max-grad-norm
+    norm = None  # the gradients' norm (--max-grad-norm)
     skip = resumed["samples_into_epoch"] // plan.global_batch_size  # done this epoch
     for epoch in range(resumed["epoch"], plan.epochs):
         sampler.set_epoch(epoch)  # a new shuffle, the same on every rank
