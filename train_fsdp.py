@@ -79,7 +79,7 @@ def main():
     flops = watch.flops_per_sample(model, next(test_batches([0]))[0])
 
     # ---- wrap: shard each block (one all-gather unit each), then the root ----
-    units = shard(model, args, mesh)  # "N units, the largest P% of ..."
+    units = shard(model, args, mesh)  # in words, for the start line
     optimizer = training.make_optimizer(args, model.parameters())
 
     # ---- resume: from the newest checkpoint, if any ----
@@ -237,7 +237,7 @@ def shard(model, args, mesh):
         )
     offload = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
     options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
-    reshard = args.sharding != "grad-op"  # grad-op keeps them until backward
+    reshard = args.sharding != "grad-op"  # grad-op keeps weights gathered to backward
     for index, (parent, name) in enumerate(units):
         block = getattr(parent, name)
         if args.activation_checkpointing:

@@ -89,7 +89,7 @@ def main():
 
     # ---- wrap: split each layer across the tp ranks, then shard them over dp ----
     parallelize(model, args, mesh)
-    optimizer = training.make_optimizer(args, model.parameters())  # of the parts
+    optimizer = training.make_optimizer(args, model.parameters())  # after the split: its parts
 
     # ---- resume: from the newest checkpoint, if any ----
     resumed = checkpointer.resume(model, optimizer, log)  # collective

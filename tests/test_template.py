@@ -385,8 +385,10 @@ class Blocks(NoBlocks):
 
 
 class MoreThanBlocks(Blocks):
-    def forward(self, x):  # work the stages would not do
-        return torch.relu(self.blocks(x))
+    # Work the stages would not do, on every output: a ReLU here changed nothing when the random
+    # Linear's outputs were all positive, and the refusal did not come (about 1 run in 16).
+    def forward(self, x):
+        return self.blocks(x) + 1
 
 
 TOKENS = torch.randint(0, user_transformers.VOCAB, (1, user_transformers.LENGTH))
