@@ -93,8 +93,8 @@ def parser(description, *more):
 
 
 class Plan:
-    """A run's steps, global batch and lr: a linear warmup times (cosine) a cosine from step 0,
-    so ``top_lr``, at the warmup's end, is below the peak (0.97 x for 100 steps of 1,000)."""
+    """A run's steps, global batch and lr: a linear warmup times, for a cosine schedule, a cosine
+    from step 0: ``top_lr``, at the warmup's end, is below the peak (0.97 x for 100 of 1,000)."""
 
     def __init__(self, args, samples, replicas, dataset_name, replica="ranks"):
         self.samples_per_step = args.batch_size * args.grad_accum  # per replica
@@ -221,8 +221,8 @@ class Batches:
 
 @torch.no_grad()
 def evaluate(forward, batches, rank, world_size, pipeline=False):
-    """This replica's [loss sum, correct, count] over targets, to all-reduce. All run as many
-    batches (FSDP gathers in each), padded with sample 0, uncounted; a pipeline's are full."""
+    """This replica's [loss sum, correct, count] over targets, to all-reduce; all run as many
+    batches (FSDP gathers in each), the padding uncounted; a pipeline's forward takes labels."""
     size, count = batches.batch_size, len(batches.dataset)
     shard = torch.arange(count).tensor_split(world_size)[rank].tolist()
     longest = -(-count // world_size)

@@ -147,7 +147,7 @@ class MetricsLog:
             self.events.close()
 
 
-def _kept(row, start_step):  # whole, and before the checkpoint or its training row
+def _kept(row, start_step):  # whole, from before the checkpoint (or its step's training row)
     if None in row.values():
         return False
     step = int(row["step"])
