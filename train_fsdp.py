@@ -272,7 +272,7 @@ def shard_units(model):
 
 
 def clip_grad_norm(model, max_norm):
-    """Collective: clip the sharded gradients to their global norm, returned unclipped."""
+    """Collective: clip the sharded gradients to their global norm; returns it, before clipping."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads)  # of the shards: "Partial"
     norm = norm.full_tensor()  # collective: all-reduced

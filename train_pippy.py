@@ -262,7 +262,7 @@ def forward_backward(schedule, stages, images, labels, grad_accum):
 
 
 def clip_grad_norm(model, grads, max_norm, pp_group):
-    """Collective: clip to the norm of every stage's gradients, returned unclipped."""
+    """Collective: clip to the norm of all stages' gradients; returns it, before clipping."""
     squares = torch.nn.utils.get_total_norm(grads) ** 2  # this rank's stages
     dist.all_reduce(squares, group=pp_group)
     norm = squares.sqrt()
