@@ -256,14 +256,26 @@ def shard_units(model):
     """The submodules to shard, as (parent, name), inner ones first, and words on them:
     each layer of a list of layers (nn.Sequential, nn.ModuleList: BabyCNN's blocks, a
     BERT's bert.encoder.layer) not inside another, then each child of the model. A unit
-    holds the parameters no unit before it holds (none: no unit); the root the rest."""
+    holds the parameters no unit before it holds (none: no unit); the root the rest.
+    No unit holds a weight tied to a module outside it (an LM's embedding and head):
+    fully_shard on each would make two weights of it, so a unit around both holds it."""
 
     def layers(module):  # those of the outermost lists of layers in module
         if isinstance(module, (nn.Sequential, nn.ModuleList)):
             return [(module, name) for name, _ in module.named_children()]
         return [unit for child in module.children() for unit in layers(child)]
 
+    holders = {}  # parameter: the modules that hold it, two for a tied weight
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            holders.setdefault(p, set()).add(module)
+
+    def tied_outside(unit):
+        inside = set(unit.modules())
+        return any(holders[p] - inside for p in unit.parameters())
+
     units = [u for name, child in model.named_children() for u in [*layers(child), (model, name)]]
+    units = [(parent, name) for parent, name in units if not tied_outside(getattr(parent, name))]
     held = [set(getattr(p, n).parameters()) for p, n in units] + [set(model.parameters())]
     sizes = [sum(p.numel() for p in mine.difference(*held[:i])) for i, mine in enumerate(held)]
     share, count = max(sizes) / sum(sizes), sum(map(bool, sizes))

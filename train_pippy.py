@@ -21,9 +21,9 @@ What pipeline parallelism changes compared with train_ddp.py:
 Every collective is called here, or in a call marked "collective".
 """
 
+import collections
 import functools
 import os
-from contextlib import suppress
 
 import torch
 import torch.distributed as dist
@@ -101,12 +101,12 @@ def main():
 
     # ---- wrap: a PipelineStage per local stage, one schedule for all ----
     sample = next(test_batches([0]))[0][:1]  # one input, as the first stage gets it
-    stages, stage_blocks = build_stages(model, args, sample, mesh, autocast)
+    stages, stage_blocks, tied = build_stages(model, args, sample, mesh, autocast)
     schedule = make_schedule(stages, args, dtype)
     optimizer = training.make_optimizer(args, model.parameters())
 
     # ---- resume: from the newest checkpoint, if any ----
-    resumed = checkpointer.resume(model, optimizer, log)  # collective
+    resumed = checkpointer.resume(model, optimizer, log, first_names(tied))  # collective
     what = f"pipeline ({args.schedule}, {len(stage_blocks)} stages: blocks {stage_blocks}, "
     what += f"{args.microbatches} microbatches) x {dp} replica(s)"
     figures = watch.describe(args, plan, param_count, flops, "replica")
@@ -132,10 +132,11 @@ def main():
                 images, labels = next(batches)
                 # collective: activations and gradients between stages; 0 off the last
                 window.append(forward_backward(schedule, stages, images, labels, args.grad_accum))
+            sum_tied_grads(tied, device, mesh.get_group("pp"))  # collective: tied weights' copies
             grads = [p.grad for p in model.parameters() if p.grad is not None]  # its stages'
             average_over_replicas(grads, mesh.get_group("dp"))  # collective
             if args.max_grad_norm:  # collective: the whole model's norm
-                norm = clip_grad_norm(model, grads, args.max_grad_norm, mesh.get_group("pp"))
+                norm = clip_grad_norm(model, tied, args.max_grad_norm, mesh.get_group("pp"))
             lr = plan.lr(progress.step)
             training.set_lr(optimizer, lr)
             optimizer.step()
@@ -167,11 +168,11 @@ def main():
 
     # ---- save: rank 0 gathers replica 0's stages and writes ----
     if args.save:
-        full_state = gather_state_dict(model, mesh)  # collective
+        full_state = gather_state_dict(model, mesh, tied)  # collective
         checkpoints.save_on_rank_0(full_state, args.save)  # collective
         log(f"saved the weights to {args.save}")
     if hasattr(train_set, "write"):  # text: rank 0 prints a sample
-        log(train_set.write(gather_state_dict(model, mesh)))  # collective
+        log(train_set.write(gather_state_dict(model, mesh, tied)))  # collective
     if args.metrics:
         run = {"strategy": "pipeline", "schedule": args.schedule, "stages": len(stage_blocks)}
         run |= {"microbatches": args.microbatches, "data_parallel": args.data_parallel}
@@ -261,8 +262,11 @@ def forward_backward(schedule, stages, images, labels, grad_accum):
     return torch.stack(losses).detach().sum().float() * grad_accum  # loss_fn divided it
 
 
-def clip_grad_norm(model, grads, max_norm, pp_group):
-    """Collective: clip to the norm of all stages' gradients; returns it, before clipping."""
+def clip_grad_norm(model, tied, max_norm, pp_group):
+    """Collective: clip to the norm of all stages' gradients (a tied weight's once); returns
+    it, before clipping."""
+    repeated = {weight.copy for weight in tied if not weight.counted}
+    grads = [p.grad for p in model.parameters() if p.grad is not None and p not in repeated]
     squares = torch.nn.utils.get_total_norm(grads) ** 2  # this rank's stages
     dist.all_reduce(squares, group=pp_group)
     norm = squares.sqrt()
@@ -281,12 +285,16 @@ def average_over_replicas(grads, dp_group):
     torch._foreach_copy_(grads, [part.view_as(g) / replicas for g, part in zip(grads, parts)])
 
 
-def gather_state_dict(model, mesh):
-    """Collective: replica 0's stages' weights in one state dict on rank 0 ({} else)."""
+def gather_state_dict(model, mesh, tied):
+    """Collective: replica 0's stages' weights in one state dict on rank 0 ({} else); a tied
+    weight is one tensor under each of its names, as in the whole model's state dict."""
     mine = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine if mesh.get_local_rank("dp") == 0 else {}, gathered, dst=0)
-    return {name: tensor for part in gathered or [] for name, tensor in part.items()}
+    state = {name: tensor for part in gathered or [] for name, tensor in part.items()}
+    for weight in tied if state else ():  # the copies are equal: keep the first stage's
+        state |= dict.fromkeys(weight.names, state[weight.names[0]])
+    return state
 
 
 def stages_per_rank(args):  # default: 1 for gpipe and 1f1b, 2 for the others
@@ -339,7 +347,8 @@ def check_flags(args, world_size):
 
 
 def build_stages(model, args, sample, mesh, autocast):
-    """This rank's PipelineStages, cut from model.blocks, and every stage's blocks.
+    """This rank's PipelineStages, cut from model.blocks, every stage's blocks, and the
+    weights tied across stages (tied_weights).
 
     Stages of about equal FLOPs; other ranks' blocks become nn.Identity.
     """
@@ -373,6 +382,7 @@ def build_stages(model, args, sample, mesh, autocast):
         stage_indices = [pp_rank, 2 * pipeline_ranks - 1 - pp_rank]
     else:
         stage_indices = [pp_rank + k * pipeline_ranks for k in range(stages_per_rank(args))]
+    tied = tied_weights(model, stage_blocks, stage_indices)  # before the cut
     local = [block for index in stage_indices for block in stage_blocks[index]]
     for index in range(len(model.blocks)):
         if index not in local:  # names stay the whole model's, for checkpoints
@@ -384,7 +394,55 @@ def build_stages(model, args, sample, mesh, autocast):
         stages.append(
             PipelineStage(stage_model, index, num_stages, device, group=mesh.get_group("pp"))
         )
-    return stages, stage_blocks
+    return stages, stage_blocks, tied
+
+
+TiedWeight = collections.namedtuple("TiedWeight", "names like copy counted")
+
+
+def tied_weights(model, stage_blocks, stage_indices):
+    """The weights that blocks of different stages share (an LM's embedding and head), as
+    TiedWeights, the same list on every rank: its names, an empty tensor like it, this
+    rank's copy (None if its stages hold none), whether the norm counts this copy (the
+    first stage's). Each stage keeps a copy; sum_tied_grads keeps them equal."""
+    stage_of = {block: stage for stage, blocks in enumerate(stage_blocks) for block in blocks}
+    found = {}  # parameter: (its names, the stages that hold it)
+    for index, block in enumerate(model.blocks):
+        for name, p in block.named_parameters():
+            names, stages = found.setdefault(p, ([], set()))
+            names.append(f"blocks.{index}.{name}")
+            stages.add(stage_of[index])
+    mine = set(stage_indices)
+    return [
+        TiedWeight(names, p.detach().to("meta"), p if stages & mine else None, min(stages) in mine)
+        for p, (names, stages) in found.items()
+        if len(stages) > 1 and p.requires_grad
+    ]
+
+
+def first_names(tied):
+    """{name: its first name} of the tied weights' other names: a checkpoint keeps one
+    optimizer state of each, by the name one process gives it."""
+    return {name: weight.names[0] for weight in tied for name in weight.names[1:]}
+
+
+def sum_tied_grads(tied, device, pp_group):
+    """Collective: each tied weight's gradient summed over the stages that hold it, in one
+    all-reduce over the pipeline ranks (zeros from the others): each copy takes the whole
+    model's step, as one process would."""
+    if not tied:
+        return
+    grads = [
+        w.copy.grad
+        if w.copy is not None and w.copy.grad is not None
+        else torch.zeros_like(w.like, device=device)
+        for w in tied
+    ]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, group=pp_group)
+    for weight, part in zip(tied, flat.split([g.numel() for g in grads])):
+        if weight.copy is not None:
+            weight.copy.grad = part.view_as(weight.copy)
 
 
 class Stage(nn.Sequential):
@@ -406,24 +464,33 @@ def block_flops(model, sample):
     another model), or they fail alone on its input (an embedding outside them)."""
     if not isinstance(getattr(model, "blocks", None), (nn.Sequential, nn.ModuleList)):
         raise failures.UsageError(
-            "train_pippy.py cuts model.blocks into stages: give your model a blocks "
-            "(an nn.Sequential) that its forward runs in order, and nothing else"
+            "train_pippy.py cuts model.blocks into stages: give your model a blocks (an "
+            "nn.Sequential or nn.ModuleList) that its forward runs in order, and nothing else"
         )
     model.eval()  # grad on: no_grad's fused TransformerEncoderLayer escapes the counter
-    flops, x = [], sample
-    with suppress(Exception):  # blocks that fail alone: refused below
-        for block in model.blocks:
+    flops, x, failed = [], sample, None
+    for index, block in enumerate(model.blocks):
+        try:
             with FlopCounterMode(display=False) as counter:
                 x = block(x)
-            flops.append(counter.get_total_flops())
+        except Exception as error:  # refused below, once the whole model has run
+            failed = (index, block, error)
+            break
+        flops.append(counter.get_total_flops())
     whole = model(sample)  # a model that fails whole says why, in its own error
     model.train()
-    same = len(flops) == len(model.blocks) and x.shape == whole.shape
-    if not same or not torch.allclose(x, whole, rtol=1e-3, atol=1e-6):
+    start = "train_pippy.py cuts model.blocks into stages, but your model's forward does more "
+    start += "than run its blocks in order"
+    if failed:
+        index, block, error = failed
+        before = f"model.blocks[{index - 1}]'s output" if index else "the model's input"
         raise failures.UsageError(
-            "train_pippy.py cuts model.blocks into stages, but your model's forward does more "
-            "than run its blocks in order: move that work into blocks (nn.Flatten(), ...)"
+            f"{start}: model.blocks[{index}] ({type(block).__name__}) fails on {before} "
+            f"({type(error).__name__}): move the work your forward does outside blocks into "
+            "them, in order (an embedding first, a head last)"
         )
+    if x.shape != whole.shape or not torch.allclose(x, whole, rtol=1e-3, atol=1e-6):
+        raise failures.UsageError(f"{start}: move that work into blocks (nn.Flatten(), ...)")
     return flops
 
 

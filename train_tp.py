@@ -4,7 +4,7 @@ Launch (the README and run_tp.sh use the same commands):
     python train_tp.py --tp 1                                      # one process: nothing split
     torchrun --standalone --nproc-per-node=2 train_tp.py           # one node, 2 processes: tp 2
     torchrun --standalone --nproc-per-node=4 train_tp.py --tp 2    # 4 processes: tp 2 x dp 2
-    torchrun --standalone --nproc-per-node=2 train_tp.py --model gpt  # the GPT: gpt_plan()
+    torchrun --standalone --nproc-per-node=2 train_tp.py --model gpt  # the GPT: tp_plan()
     torchrun --nnodes=2 --node-rank=$NODE_RANK --nproc-per-node=2 --rdzv-backend=c10d \
         --rdzv-endpoint=$MASTER_ADDR:29500 --rdzv-id=babycnn train_tp.py  # on each node
 Through the wrapper: `bash run_tp.sh [flags]`; for two nodes, on each node,
@@ -13,10 +13,11 @@ Through the wrapper: `bash run_tp.sh [flags]`; for two nodes, on each node,
 What TP changes compared with train_fsdp.py:
   setup  a 2-D mesh (dp, tp): --tp ranks split each layer; their groups are data parallel
   data   one share per tp group: its ranks see the same batch
-  wrap   the GPT (--model gpt): parallelize_module() with gpt_plan(), the plan to copy
+  wrap   the GPT (--model gpt): parallelize_module() with tp_plan(), the plan to copy
          for a transformer (heads, MLP, sequence parallelism, vocabulary-split logits);
          BabyCNN: tensor_parallel() splits pairs of layers by channels, written out to
-         show what TP does inside. Then fully_shard() over dp; the optimizer after both
+         show what TP does inside. Then fully_shard() over dp, with train_fsdp.py's
+         units; the optimizer after both
   loss   loss_parallel(): cross-entropy over the GPT's vocabulary-split logits
   eval   each tp group scores a slice; the sums are all-reduced over dp
 Every collective is called here, or in a call marked "collective".
@@ -24,6 +25,7 @@ Every collective is called here, or in a call marked "collective".
 
 import logging
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -47,6 +49,10 @@ import models
 from models import data
 from plumbing import checkpoints, failures, training, watch
 from plumbing.watch import log
+from train_fsdp import shard_units
+
+# A query, key and value in one Linear: GPT-2's c_attn, qkv_proj, query_key_value, in_proj
+FUSED = re.compile(r"qkv|c_attn|query_key_value|in_proj", re.IGNORECASE)
 
 
 def main():
@@ -199,9 +205,9 @@ def make_mesh(args, device, world_size):
 
 def check_flags(args, world_size):
     """Refuse TP's flags that do not go together, before anything is built."""
-    if args.model != "cnn" and world_size % args.tp:  # gpt_plan() checks the heads
+    if not is_babycnn(args) and world_size % args.tp:  # tp_plan() checks the heads
         raise failures.UsageError(f"--tp {args.tp} must divide the world size {world_size}")
-    if args.model == "cnn" and (world_size % args.tp or args.width * 8 % args.tp):
+    if is_babycnn(args) and (world_size % args.tp or args.width * 8 % args.tp):
         raise failures.UsageError(
             f"--tp {args.tp} must divide the world size {world_size} and BabyCNN's "
             f"{args.width * 8} channels (8 x --width), which it splits"
@@ -211,6 +217,10 @@ def check_flags(args, world_size):
             "--compile is for train_ddp.py and train_fsdp.py: train_tp.py's split layers "
             "call collectives of their own"
         )
+
+
+def is_babycnn(args):  # --model cnn; a copy has no --model, and its model takes a plan
+    return getattr(args, "model", None) == "cnn"
 
 
 def parallelize(model, args, mesh):
@@ -223,19 +233,24 @@ def parallelize(model, args, mesh):
         mp_policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
         )
-    if args.model != "cnn":  # a GPT: a plan keyed by module names, the form to copy
-        parallelize_module(model, mesh["tp"], gpt_plan(model.config, args.tp))
-    else:  # BabyCNN's split, written out: what a plan's styles do inside
+    if is_babycnn(args):  # BabyCNN's split, written out: what a plan's styles do inside
         tensor_parallel(model, mesh["tp"])
-    for index, block in enumerate(model.blocks):
-        # Backward starts with the last block: resharding it would only regather.
-        last = index == len(model.blocks) - 1
-        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=not last, mp_policy=mp_policy)
+    else:  # a transformer: a plan keyed by module names, the form to copy
+        tied = tied_names(model)  # before the split gives each module a new parameter
+        parallelize_module(model, mesh["tp"], checked(tp_plan, model, args.tp))
+        retie(model, tied)
+    units, _ = shard_units(model)  # train_fsdp.py's: each layer; tied weights in the root
+    for index, (parent, name) in enumerate(units):
+        # Backward starts with the last unit: resharding it would only regather.
+        last = index == len(units) - 1
+        options = {"reshard_after_forward": not last, "mp_policy": mp_policy}
+        fully_shard(getattr(parent, name), mesh=mesh["dp"], **options)
     fully_shard(model, mesh=mesh["dp"], mp_policy=mp_policy)
 
 
-def gpt_plan(config, tp):
+def tp_plan(model, tp):
     """The GPT's tensor-parallel plan: a ParallelStyle for each module name (models/gpt.py's).
+    For your model, write its own: docs/transformer.md has a Hugging Face Llama's.
 
     In each block, query, key and value split column-wise (a rank computes whole
     heads), the output projection row-wise: one reduce-scatter of its partial sums;
@@ -244,8 +259,10 @@ def gpt_plan(config, tp):
     each norm's output is all-gathered once for the attention or the MLP. The head
     splits the vocabulary and keeps its logits split, for loss_parallel().
     """
-    if config["n_head"] % tp:
-        raise failures.UsageError(f"--tp {tp} must divide the GPT's {config['n_head']} heads")
+    attention = model.blocks[1].attn  # the heads, read from the model
+    heads = attention.query.out_features // attention.head_dim
+    if heads % tp:
+        raise failures.UsageError(f"--tp {tp} must divide the GPT's {heads} heads")
     positions = Shard(1)  # of (batch, positions, n_embd): the residual stream
     whole = Replicate()
     plan = {  # the embedding: a rank holds 1/tp of the rows; the sums reduce-scattered
@@ -277,15 +294,76 @@ def gpt_plan(config, tp):
         "mlp.proj": RowwiseParallel(output_layouts=positions, use_local_output=False),
         "mlp.dropout": SequenceParallel(),
     }
-    for index in range(1, config["n_layer"] + 1):  # blocks.0 is Embed, the last Head
+    for index in range(1, len(model.blocks) - 1):  # blocks.0 is Embed, the last Head
         plan |= {f"blocks.{index}.{name}": style for name, style in block.items()}
-    head = f"blocks.{config['n_layer'] + 1}"
+    head = f"blocks.{len(model.blocks) - 1}"
     plan[f"{head}.norm"] = SequenceParallel()
     # Logits (batch, positions, vocabulary) split by vocabulary, kept a DTensor.
     plan[f"{head}.out"] = ColwiseParallel(
         input_layouts=positions, output_layouts=Shard(-1), use_local_output=False
     )
     return plan
+
+
+def checked(make_plan, model, tp):
+    """``make_plan(model, tp)``, refused in one line where it does not fit the model: a
+    name it lacks, a module ColwiseParallel and RowwiseParallel cannot split (they take
+    nn.Linear and nn.Embedding), a query, key and value fused in one matrix."""
+    try:
+        plan = make_plan(model, tp)
+    except AttributeError as error:  # a copy's model, and the GPT's plan
+        raise failures.UsageError(
+            f"{make_plan.__name__}() does not fit your model ({error}): write its plan, with "
+            "your model's module names (docs/transformer.md)"
+        ) from None
+    modules = dict(model.named_modules())
+    for name, style in plan.items():
+        if name not in modules:
+            raise failures.UsageError(
+                f"the TP plan names {name}, which your model does not have: name its "
+                "modules as model.named_modules() does"
+            )
+        module = modules[name]
+        splits = isinstance(style, (ColwiseParallel, RowwiseParallel))
+        if splits and not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise failures.UsageError(
+                f"the TP plan splits {name}, a {type(module).__name__}, but ColwiseParallel and "
+                "RowwiseParallel split nn.Linear and nn.Embedding only: make it an nn.Linear "
+                "(a Hugging Face Conv1D holds the transpose of a Linear's weight)"
+            )
+        if splits and FUSED.search(name.rpartition(".")[2]):
+            raise failures.UsageError(
+                f"the TP plan splits {name}, which computes query, key and value in one "
+                "matrix: a split by rows gives a rank all the queries and none of the values; "
+                "make three nn.Linears of it, or split it by head (docs/transformer.md)"
+            )
+    return plan
+
+
+def tied_names(model):
+    """The names of each weight that several modules share (an LM's embedding and head)."""
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(p, []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def retie(model, tied):
+    """One parameter again for each tied weight, where parallelize_module gave each module a
+    new one: refused if the plan splits the copies unlike."""
+    for first, *others in tied:
+        weight = model.get_parameter(first)
+        for name in others:
+            copy = model.get_parameter(name)
+            layouts = [str(getattr(p, "placements", "not split")) for p in (weight, copy)]
+            if copy is not weight and layouts[0] != layouts[1]:
+                raise failures.UsageError(
+                    f"{first} and {name} are one weight (tied), but the TP plan splits them "
+                    f"unlike ({layouts[0]} and {layouts[1]}): split both by vocabulary (the "
+                    "embedding RowwiseParallel, the head ColwiseParallel) or neither"
+                )
+            module, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(module), attribute, weight)
 
 
 def local(tensor):
@@ -366,11 +444,22 @@ class AllReduceBackward(torch.autograd.Function):
 
 
 def clip_grad_norm(model, max_norm):
-    """Collective: clip the sharded gradients to their global norm; returns it, before clipping."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads)  # of the shards: "Partial"
-    norm = norm.full_tensor()  # collective: all-reduced
-    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    """Collective: clip the sharded gradients to their global norm; returns it, before clipping.
+
+    A layer the plan leaves whole is sharded over dp alone: its gradients' norm is
+    summed over that mesh, the split layers' over (dp, tp).
+    """
+    by_mesh = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh, []).append(p)
+    squares = []
+    for params in by_mesh.values():  # of the shards: "Partial"
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        squares.append(norm.full_tensor() ** 2)  # collective: all-reduced
+    norm = torch.stack(squares).sum().sqrt()
+    for params in by_mesh.values():  # torch's foreach ops take one mesh at a time
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
 
 

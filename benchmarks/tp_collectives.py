@@ -6,7 +6,7 @@ model's / (dp x tp).
 
     torchrun --standalone --nproc-per-node=2 benchmarks/tp_collectives.py            # tp 2, dp 1
     torchrun --standalone --nproc-per-node=4 benchmarks/tp_collectives.py --tp 2     # tp 2, dp 2
-    torchrun --standalone --nproc-per-node=4 benchmarks/tp_collectives.py --model gpt  # gpt_plan()
+    torchrun --standalone --nproc-per-node=4 benchmarks/tp_collectives.py --model gpt  # tp_plan()
 
 The prediction, for BabyCNN's 4 blocks (3 conv blocks of two convolutions, a head of a convolution
 and the classifier), each split as a column-wise/row-wise pair: in forward, one all-reduce per pair
@@ -14,7 +14,7 @@ and the classifier), each split as a column-wise/row-wise pair: in forward, one 
 images). FSDP over dp > 1: an all-gather per block in forward (4) and again in backward for all but
 the last (3), which keeps its weights; a reduce-scatter per block (4).
 
-The GPT's (--model gpt: gpt_plan(), L = 4 blocks), tp > 1. In forward, a reduce-scatter into the
+The GPT's (--model gpt: tp_plan(), L = 4 blocks), tp > 1. In forward, a reduce-scatter into the
 sequence split after each row-wise layer: the two embeddings and each block's two projections
 (2L + 2); an all-gather of the sequence before each column-wise layer: each block's attention and
 MLP, and the head (2L + 1); loss_parallel()'s 3 all-reduces (the logits' max, the sum of their

@@ -20,10 +20,10 @@ matrix would give one rank all the queries and another the values; split separat
 holds whole heads of all three. The attention reshapes by ``head_dim`` (-1 heads) so the same code
 runs on a rank that holds only some heads.
 
-The token embedding and the head are not tied (nanoGPT ties them): they are the first and the last
-block, so a pipeline puts them on different stages, where a tied weight becomes two copies whose
-gradients must be summed across ranks every step, and FSDP shards block by block, where a weight
-two blocks share must be sharded with their parent instead. Untied, it costs vocab_size x n_embd
+The token embedding and the head are not tied (nanoGPT ties them), so that each block's weights
+are its own. The scripts keep a tied model's weight one (tests/test_hf_llama.py): a pipeline, whose
+first and last stages each hold a copy, sums their gradients every step; FSDP shards the weight in
+a unit around both blocks; TP ties the split parts again. Untied, it costs vocab_size x n_embd
 parameters: 8,320 of the default's 0.82 M.
 """
 

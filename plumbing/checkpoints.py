@@ -115,6 +115,13 @@ def init_from(model, path, log):
     log(f"initialised the model from {path}; the optimizer and the lr schedule start afresh")
 
 
+def _renamed(optimizer_state, aliases):
+    """The optimizer's states by name, a tied weight's under its first name in the whole model
+    (a pipeline's last stage holds the head's copy of the embedding): one state in the file,
+    which any strategy resumes."""
+    return {aliases.get(name, name): state for name, state in optimizer_state.items()}
+
+
 def _local(state):  # its tensors; of a DTensor, this rank's part
     return [getattr(t, "_local_tensor", t) for t in tree_leaves(state) if torch.is_tensor(t)]
 
@@ -133,6 +140,7 @@ class Checkpointer:
         self.layout = {"dataset": plan.dataset_name, "world_size": dist.get_world_size()}
         self.layout |= {"global_batch_size": plan.global_batch_size, "device": device.type}
         self.branch = None  # rank 0's: the --resume-from it descends from
+        self.aliases = {}  # resume's
 
     def is_due(self, step, now):
         """Each --checkpoint-every, a stop, and the end: then a requeue has nothing to do."""
@@ -146,7 +154,8 @@ class Checkpointer:
         temporary = os.path.join(self.directory, f".tmp-step-{step}")
         model_state, optimizer_state = get_state_dict(model, optimizer)
         rng = {f"rank{dist.get_rank()}": self._random_states()}
-        state = {"model": model_state, "optimizer": optimizer_state["state"], "rng": rng}
+        optimizer_tensors = _renamed(optimizer_state["state"], self.aliases)
+        state = {"model": model_state, "optimizer": optimizer_tensors, "rng": rng}
         checked = [t for t in _local(state) if t.is_floating_point()] + list(losses)
         finite = torch.stack([t.isfinite().all().to(self.device) for t in checked]).all()
         finite = finite.to(torch.int32)  # one sync for them all
@@ -261,15 +270,19 @@ class Checkpointer:
                 why = error.strerror or error
                 raise UsageError(f"{flag} {path}: cannot write there ({why})") from None
 
-    def resume(self, model, optimizer, log):
-        """Collective: load the newest intact checkpoint, if any; where to go on."""
+    def resume(self, model, optimizer, log, aliases=None):
+        """Collective: load the newest intact checkpoint, if any; where to go on.
+        ``aliases`` ({name: name in the whole model}) name optimizer states here and in
+        every save (_renamed)."""
+        self.aliases = aliases or {}
         found = on_rank_0(lambda: self._newest_intact(log), "finding a checkpoint")
         if found is None:
             return {"step": 0, "epoch": 0, "samples_into_epoch": 0}
         path, info = found
         # Not before: get_state_dict steps a fresh optimizer.
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        tensors = {"model": model_state, "optimizer": optimizer_state["state"]}  # in place
+        optimizer_tensors = _renamed(optimizer_state["state"], self.aliases)
+        tensors = {"model": model_state, "optimizer": optimizer_tensors}  # in place
         same_ranks = all(info["layout"].get(k) == self.layout[k] for k in ("world_size", "device"))
         if same_ranks:  # random states: each rank's own
             tensors["rng"] = {f"rank{dist.get_rank()}": self._random_states()}

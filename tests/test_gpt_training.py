@@ -1,5 +1,5 @@
 """--model gpt, launched for real on the bundled Tiny Shakespeare: it learns under DDP, and DDP,
-FSDP, the pipeline (with replicas too) and TP (gpt_plan(), with FSDP over dp too) follow one
+FSDP, the pipeline (with replicas too) and TP (tp_plan(), with FSDP over dp too) follow one
 process's fp64 steps on it (the loss over every token's target, integer inputs through the
 batches, the stages and the gathers)."""
 
@@ -84,7 +84,7 @@ PIPELINE = ["--schedule", "1f1b", "--microbatches", "2"]
         # The pipeline keeps a replica's batch on each of its ranks; DDP and FSDP split it.
         ("train_pippy.py", 2, GLOBAL_BATCH, PIPELINE),
         ("train_pippy.py", 4, GLOBAL_BATCH // 2, [*PIPELINE, "--data-parallel", "2"]),
-        # TP's ranks share a batch: gpt_plan(), sequence parallelism and loss_parallel().
+        # TP's ranks share a batch: tp_plan(), sequence parallelism and loss_parallel().
         ("train_tp.py", 2, GLOBAL_BATCH, ["--tp", "2"]),
         ("train_tp.py", 4, GLOBAL_BATCH // 2, ["--tp", "2"]),
     ],

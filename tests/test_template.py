@@ -39,17 +39,20 @@ SCRIPTS = ["train_ddp.py", "train_fsdp.py", "train_pippy.py"]
 # training.parser parses twice), 1,363 once training.py, watch.py and failures.py carried less
 # (their if/else choices kept as such) and each main came within 120 lines, 1,331 once the
 # scripts' and plumbing/'s docstrings and comments said why, briefly; issue 41 asks for at most
-# 1,150 (DDP) and 1,300 (the others). Held here so that it does not grow back.
-MAX_FORMATTED = {"train_ddp.py": 1331, "train_fsdp.py": 1442, "train_pippy.py": 1635}
+# 1,150 (DDP) and 1,300 (the others). Issue 52 kept tied weights one: checkpoints name a tied
+# weight's optimizer state once, so that any strategy resumes a pipeline's (+13, in every copy);
+# FSDP's units leave the weight to a unit around both modules (+12); the pipeline sums its copies'
+# gradients and names the block that fails outside blocks (+58). Held so that it does not grow back.
+MAX_FORMATTED = {"train_ddp.py": 1344, "train_fsdp.py": 1467, "train_pippy.py": 1715}
 # Mean characters of a non-blank line, as written: issue 41 asks for at most 55 in the scripts and
 # plumbing/. Each file is held at what it reached (the scripts were 60 to 66, training.py 62.5),
 # so that lines do not grow back; lower a figure when a file gets shorter lines.
 MAX_MEAN_LINE = {
     "train_ddp.py": 59.9,
-    "train_fsdp.py": 58.2,
+    "train_fsdp.py": 58.3,
     "train_pippy.py": 56.9,
     "train_tp.py": 57.9,
-    "plumbing/checkpoints.py": 56.0,
+    "plumbing/checkpoints.py": 56.2,
     "plumbing/consolidate.py": 55.0,
     "plumbing/failures.py": 54.4,
     "plumbing/older_pipeline.py": 57.5,
@@ -404,7 +407,11 @@ TOKENS = torch.randint(0, user_transformers.VOCAB, (1, user_transformers.LENGTH)
             "but your model's forward does more than run its blocks",
         ),
         # its blocks fail alone on tokens (this took a traceback of 45 lines, 124 under torchrun)
-        (user_transformers.EmbedOutside, TOKENS, "does more than run its blocks in order"),
+        (
+            user_transformers.EmbedOutside,
+            TOKENS,
+            "in order: model.blocks[0] (TransformerEncoderLayer) fails on the model's input",
+        ),
     ],
 )
 def test_a_pipeline_copy_refuses_a_model_it_cannot_cut_into_stages(model_class, sample, error):
@@ -414,7 +421,7 @@ def test_a_pipeline_copy_refuses_a_model_it_cannot_cut_into_stages(model_class, 
     blocks is cut."""
     from train_pippy import block_flops
 
-    with pytest.raises(failures.UsageError, match=error):
+    with pytest.raises(failures.UsageError, match=re.escape(error)):
         block_flops(model_class(), sample)
     # one Linear: 2 FLOPs a multiply-accumulate
     assert block_flops(Blocks(), torch.randn(1, 2)) == [2 * 2 * 4]
@@ -440,7 +447,7 @@ def test_a_pipeline_copy_cuts_a_stock_transformer_encoder_where_its_flops_balanc
     project, launch = transformer_copy(tmp_path, "train_pippy.py")
     outside = launch("train_pippy.py", "EmbedOutside")
     encoder = launch("train_pippy.py", "Encoder", "--metrics", "encoder.json")
-    assert_one_line_error(outside.wait(), "does more than run its blocks in order: move that work")
+    assert_one_line_error(outside.wait(), "fails on the model's input (AssertionError): move the")
     succeeded(encoder)
     assert "(1f1b, 2 stages: blocks [[0, 1, 2], [3, 4, 5, 6]], 8 microbatches)" in encoder.output
     metrics = json.loads((project / "encoder.json").read_text())

@@ -125,8 +125,8 @@ def test_the_collectives_and_the_bytes_per_rank_are_what_the_page_predicts():
 
 
 @pytest.mark.slow
-def test_the_gpt_plans_collectives_are_what_the_benchmark_predicts():
-    # gpt_plan() on 2 groups of 2, 4 blocks: sequence parallelism's all-gathers before the
+def test_the_tp_plans_collectives_are_what_the_benchmark_predicts():
+    # tp_plan() on 2 groups of 2, 4 blocks: sequence parallelism's all-gathers before the
     # column-wise layers (9) and reduce-scatters after the row-wise ones and the embeddings (10),
     # swapped in backward; loss_parallel's 3 all-reduces; one all-reduce per norm weight and bias
     # (18): partial sums over each rank's positions. FSDP's on top, for 6 blocks: 6 all-gathers in
