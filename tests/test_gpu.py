@@ -46,10 +46,13 @@ def gpu_env(**extra):
 )
 def test_each_script_learns_on_gpus_with_nccl(script, mnist_dir, tmp_path):
     metrics_path = tmp_path / "metrics.json"
+    # TP splits each layer over the GPUs there are: --tp 1 on one GPU (nothing split, FSDP over 1)
+    layout = ["--tp", str(RANKS)] if script == "train_tp.py" else []
     run = succeeded(
         torchrun(
             script,
             RANKS,
+            *layout,
             *mnist_args(mnist_dir),
             "--device",
             "cuda",
