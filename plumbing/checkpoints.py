@@ -271,10 +271,12 @@ class Checkpointer:
                 raise UsageError(f"{flag} {path}: cannot write there ({why})") from None
 
     def resume(self, model, optimizer, log, aliases=None):
-        """Collective: load the newest intact checkpoint, if any; where to go on.
-        ``aliases`` ({name: name in the whole model}) name optimizer states here and in
-        every save (_renamed)."""
+        """Collective: load the newest intact checkpoint, if any, with each rank's random
+        states (else each rank's own seed: dropout draws its own masks on each rank, as
+        nanoGPT's seed + rank); where to go on. ``aliases`` ({name: name in the whole
+        model}) name optimizer states here and in every save (_renamed)."""
         self.aliases = aliases or {}
+        torch.manual_seed(self.args.seed + dist.get_rank())  # the model was built from seed
         found = on_rank_0(lambda: self._newest_intact(log), "finding a checkpoint")
         if found is None:
             return {"step": 0, "epoch": 0, "samples_into_epoch": 0}
