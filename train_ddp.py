@@ -38,7 +38,7 @@ def main():
 
     # ---- setup: one process per device, all of them in one process group ----
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # picks the device
-    device = training.pick_device(args.device, local_rank)
+    device = training.pick_device(args, local_rank)
     # Before the process group: no collective's timeout runs during a download.
     found = data.find(args.dataset, args.data_dir, download=not args.no_download, model=args.model)
     backend = dist.get_default_backend_for_device(device)  # NCCL or gloo

@@ -73,6 +73,7 @@ def parser(description, *more):
     add("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: this rank's GPU")
     add("--precision", choices=("fp32", "bf16", "fp64"), default="fp32", help="bf16: autocast")
     add("--compile", action="store_true", help="torch.compile the model (DDP) or each block (FSDP)")
+    add("--deterministic", action="store_true", help="bitwise reruns on a GPU (cost: unmeasured)")
     add("--seed", type=int, default=0, help="same initial weights and data order on every rank")
     add("--workers", type=number(int, 0), default=0, help="DataLoader processes per rank")
     add("--log-every", type=number(int, 1), default=20, help="steps between all-reduced losses")
@@ -152,9 +153,15 @@ def make_optimizer(args, parameters):
     return torch.optim.AdamW(parameters, lr=0.0, weight_decay=decay, fused=True)
 
 
-def pick_device(flag, local_rank):
-    """--device: this rank's accelerator (LOCAL_RANK) or the CPU; one line if too few."""
+def pick_device(args, local_rank):
+    """--device: this rank's accelerator (LOCAL_RANK) or the CPU, with --deterministic's kernels
+    if given; one line if too few."""
+    if args.deterministic:  # before any kernel runs
+        from plumbing import deterministic
+
+        deterministic.enable()
     accelerator = torch.accelerator.current_accelerator(check_available=True)
+    flag = args.device
     if flag == "cpu" or (flag == "auto" and accelerator is None):
         return torch.device("cpu")
     count = torch.accelerator.device_count()  # honours CUDA_VISIBLE_DEVICES; nvidia-smi does not

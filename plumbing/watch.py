@@ -213,7 +213,8 @@ def describe(args, plan, param_count, flops, unit="rank"):
         f"batch {args.batch_size} per {unit} x grad-accum {args.grad_accum} x {replicas} "
         f"{unit}s = global batch {plan.global_batch_size}; peak lr {plan.peak_lr:g} after "
         f"{plan.warmup_steps} warmup steps; {top}{param_count:,} parameters; "
-        f"{flops / 1e6:,.1f} MFLOPs a sample; {args.precision}; {plan.dataset_name}; "
+        f"{flops / 1e6:,.1f} MFLOPs a sample; {args.precision}"
+        f"{', deterministic' if args.deterministic else ''}; {plan.dataset_name}; "
         f"{plan.total_steps} steps"
     )
 

@@ -79,7 +79,8 @@ PIPELINE = ["--schedule", "1f1b", "--microbatches", "2"]
 @pytest.mark.parametrize(
     "script, ranks, batch, flags",
     [
-        ("train_ddp.py", 2, GLOBAL_BATCH // 2, []),
+        # --deterministic changes no math: on a CPU the kernels are deterministic already.
+        ("train_ddp.py", 2, GLOBAL_BATCH // 2, ["--deterministic"]),
         ("train_fsdp.py", 2, GLOBAL_BATCH // 2, []),
         # The pipeline keeps a replica's batch on each of its ranks; DDP and FSDP split it.
         ("train_pippy.py", 2, GLOBAL_BATCH, PIPELINE),
@@ -114,3 +115,6 @@ def test_the_gpt_trains_as_one_process_does_in_fp64(script, ranks, batch, flags,
     assert relative_difference(load_weights(paths["control"]), reference, initial) > CONTROL_FLOOR
     assert relative_difference(load_weights(paths["run"]), reference, initial) < TOLERANCE
     assert "the trained GPT writes 240 characters:" in run.output  # from the gathered weights
+    if "--deterministic" in flags:  # said on the start line; no op lacks a deterministic kernel
+        assert "fp64, deterministic; shakespeare" in run.output, run.output
+        assert "does not have a deterministic implementation" not in run.output, run.output
