@@ -5,6 +5,7 @@ import errno
 import gc
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -22,6 +23,35 @@ RETRY_EXIT = 75  # EX_TEMPFAIL: torchrun restarts it, not a bad input's 2
 # A failed write the user must fix (the disk, its permissions), not a passing fault.
 USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR}
 USER_ERRNOS |= {errno.EISDIR}
+# torch.distributed's own errors: a peer, the store or the backend failed (getattr: each is in torch
+# 2.9; a copy on an older torch still imports).
+DIST_ERRORS = tuple(
+    getattr(dist, name)
+    for name in ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
+    if hasattr(dist, name)
+)
+# gloo's errors are plain RuntimeErrors: what marks them is the gloo source file they start with.
+GLOO_SOURCE = re.compile(r"\[[^\]\s]*gloo/[^\]\s]*:\d+\]")
+ACCELERATOR_ERROR = getattr(torch, "AcceleratorError", ())  # torch 2.8 on; () matches nothing
+# CUDA's error codes (cudaError_t, AcceleratorError.error_code) with CUDA's own words for them
+# (cudaGetErrorString): a fault of the hardware may pass on another attempt, a kernel's never does.
+CUDA_TRANSIENT = {
+    46: "CUDA-capable device(s) is/are busy or unavailable",  # cudaErrorDevicesUnavailable
+    100: "no CUDA-capable device is detected",  # cudaErrorNoDevice: the GPU was lost mid-run
+    214: "uncorrectable ECC error encountered",  # cudaErrorECCUncorrectable
+    220: "uncorrectable NVLink error detected during the execution",  # NvlinkUncorrectable
+}
+CUDA_BUGS = {
+    710: "device-side assert triggered",  # cudaErrorAssert: an index out of range, most often
+    700: "an illegal memory access was encountered",  # cudaErrorIllegalAddress
+    715: "an illegal instruction was encountered",  # cudaErrorIllegalInstruction
+    716: "misaligned address",  # cudaErrorMisalignedAddress
+    717: "operation not supported on global/shared address space",  # InvalidAddressSpace
+    718: "invalid program counter",  # cudaErrorInvalidPc
+}
+LIKELY = (
+    "most likely a token id at or beyond the model's vocabulary, or a label outside its classes"
+)
 
 
 class UsageError(Exception):
@@ -54,8 +84,8 @@ def say(line, rank=None):
 
 
 def run(main, *also):
-    """``main()``, then the process group's end: one line and an exit code (2: a UsageError
-    or an ``also``; 75: ``transient``; 1: a crash; 128 + a signal)."""
+    """``main()``, then the process group's end: one line and an exit code (2: a UsageError, an
+    ``also`` or ``bug_or_bad_data``; 75: ``transient``; 1: a crash; 128 + a signal)."""
     die_with_torchrun()
     ending = None  # (line, exit code, the rank that says it, note it for torchrun?)
     try:
@@ -63,16 +93,18 @@ def run(main, *also):
     except (UsageError, *also) as error:
         node = int(os.environ.get("LOCAL_RANK", "0")) if isinstance(error, NodeError) else None
         ending = (f"error: {error}", 2, node, True)
-    except Stopped as stop:  # not a failure: no note
-        ending = (*stop.args, None, False)
+    except Stopped as stop:  # noted: the launcher keeps its exit code, and says it if no one did
+        ending = (*stop.args, None, True)
     except KeyboardInterrupt:  # before the training loop's StopSignals
         ending = ("stopped by SIGINT during start-up", 130, None, True)
     except Exception as error:
         under_torchrun = bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
-        if line := transient(error):  # each rank's: the launcher prints the first
+        if cause := transient(error):  # each rank's: the launcher prints the first
             why = "exit code 75: torchrun restarts it while MAX_RESTARTS allows"
-            line = f"error: {line}; it may pass on a retry ({why})"
-            ending = (line, RETRY_EXIT, -1 if under_torchrun else 0, True)
+            line = f"error: {cause}; it may pass on a retry ({why})"
+            ending = (line, RETRY_EXIT, -1 if under_torchrun else 0, True, cause)
+        elif line := bug_or_bad_data(error):  # each rank's: the launcher prints the first
+            ending = (f"error: {line}", 2, -1 if under_torchrun else 0, True)
         elif under_torchrun:  # for the launcher, if this rank failed first
             ending = (traceback.format_exc().rstrip(), 1, -1, True)
         else:  # plain python: its traceback, main's objects gone first
@@ -101,7 +133,9 @@ def die_with_torchrun():
 
 
 def transient(error):
-    """One line for a failure that may pass on a retry (a peer lost, an I/O error); else None."""
+    """One line for a failure that may pass on a retry, else None. By its type, never by words in
+    its text: torch.distributed's errors (gloo's carry its source file), an OSError not the user's,
+    a CUDA error of the hardware, a DataLoader's lost or stalled worker."""
     if isinstance(error, Retryable):
         return str(error)
     if isinstance(error, CheckpointException):  # DCP's: {rank: (exception, traceback)}
@@ -110,17 +144,62 @@ def transient(error):
     text = " ".join(str(error).split())[:300]
     if isinstance(error, OSError):
         return None if error.errno in USER_ERRNOS else f"{type(error).__name__}: {text}"
-    if isinstance(error, torch.cuda.OutOfMemoryError):  # the same batch runs out again
-        return None
-    words = ("gloo", "NCCL", "CUDA error", "onnection", "timed out", "Timed out", "Socket")
-    by_its_text = isinstance(error, RuntimeError) and any(word in text for word in words)
-    if isinstance(error, dist.DistError) or by_its_text:
+    if isinstance(error, ACCELERATOR_ERROR):
+        code = _cuda_code(error)
+        return f"the GPU failed ({text})" if code in CUDA_TRANSIENT else None
+    if isinstance(error, DIST_ERRORS) or (
+        type(error) is RuntimeError and GLOO_SOURCE.match(str(error))
+    ):
         return f"a collective failed ({text})"
+    if type(error) is RuntimeError and _raised_in(error, ("torch", "utils", "data")):
+        # the DataLoader's own: a worker that timed out or died, not what its Dataset raised
+        return f"a DataLoader worker of this rank failed ({text}): slow storage, or out of memory?"
     return None
 
 
-def _end(line, exit_code, rank, note):
-    """Say and note ``line``; exit with no shutdown, which stray threads could abort."""
+def bug_or_bad_data(error):
+    """One line for what a retry repeats, else None: a CUDA kernel's fault (a device-side assert, an
+    illegal memory access) or an IndexError, most often bad data the model indexes with."""
+    if isinstance(error, ACCELERATOR_ERROR) and _cuda_code(error) in CUDA_BUGS:
+        what = str(error).strip().splitlines()[0]
+        hint = "; CUDA_LAUNCH_BLOCKING=1 makes the error name the operation that raised it"
+    elif isinstance(error, IndexError):
+        what = f"IndexError: {' '.join(str(error).split())[:200].rstrip('.')}{_where(error)}"
+        hint = ""
+    else:
+        return None
+    return f"{what}: a bug or bad data, which a retry repeats (not retried): {LIKELY}{hint}"
+
+
+def _cuda_code(error):
+    """cudaError_t of an AcceleratorError: its error_code, else read from CUDA's own words."""
+    code = getattr(error, "error_code", None)
+    if code is None:
+        words = str(error).partition("CUDA error: ")[2].splitlines()[:1]
+        known = {**CUDA_TRANSIENT, **CUDA_BUGS}.items()
+        code = next((number for number, said in known if words == [said]), None)
+    return code
+
+
+def _raised_in(error, package):  # whether the innermost frame is in torch's ``package``
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and os.path.join(os.sep, *package, "") in frames[-1].filename
+
+
+def _where(error):
+    """ ", at FILE:LINE (FUNCTION)": the innermost frame outside torch, the user's line."""
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if torch_dir not in f.filename]
+    if not frames:
+        return ""
+    path = os.path.relpath(frames[-1].filename)
+    path = frames[-1].filename if path.startswith("..") else path
+    return f", at {path}:{frames[-1].lineno} ({frames[-1].name})"
+
+
+def _end(line, exit_code, rank, note, cause=None):
+    """Say and note ``line`` (and ``cause``, its short form, for the launcher's restart line); exit
+    with no shutdown, which stray threads could abort."""
     for number in STOP_SIGNALS:  # torchrun may be stopping it: all or nothing
         signal.signal(number, signal.SIG_IGN)
     said = say(line, rank)
@@ -129,6 +208,7 @@ def _end(line, exit_code, rank, note):
     if path and note:  # torchrun's format, and what the launcher reads
         info = {"message": line, "timestamp": int(time.time()), "time": time.time()}
         info |= {"said": said, "here": here, "exit_code": exit_code}
+        info["cause"] = cause or line.splitlines()[-1].removeprefix("error: ")  # a traceback's last
         with open(path + ".tmp", "w") as file:  # never half a note
             json.dump(info, file)
         os.replace(path + ".tmp", path)
