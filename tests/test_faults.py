@@ -119,6 +119,14 @@ def test_a_peer_lost_while_the_others_load_or_save_a_checkpoint_is_retried(
         run, r"/ck/step-2/.*\.distcp$" if window == "load" else r"/ck/\.tmp-step-4/"
     )
     succeeded(run)
+    # the restart says why, from the failed attempt: which rank, what, attempt k of n
+    restart = re.search(
+        r"^attempt 1 of 2 failed: rank 1 \(pid \d+\) on \S+ was killed by SIGKILL; torchrun "
+        r"restarts the workers \(attempt 2 of 2\)$",
+        run.output,
+        re.MULTILINE,
+    )
+    assert restart and run.output.count("attempt 1 of 2 failed") == 1, run.output
     assert "(torchrun restart 1)" not in run.output or "error:" not in run.output, run.output
     assert "damaged" not in run.output and "fix that" not in run.output, run.output
     resumed = [line for line in run.output.splitlines() if "resumed from" in line]
@@ -413,8 +421,8 @@ def test_a_failure_is_retried_by_its_type_never_by_its_text(kind):
         )
     if kind == "dataloader-timeout":
         assert retry == (
-            "a DataLoader worker of this rank failed (DataLoader timed out after 0.5 seconds): slow "
-            "storage, or out of memory?"
+            "a DataLoader worker of this rank failed (DataLoader timed out after 0.5 seconds): "
+            "slow storage, or out of memory?"
         )
     elif retry and kind.startswith(("dist", "gloo")):
         assert retry.startswith("a collective failed ("), retry
