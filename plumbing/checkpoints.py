@@ -139,6 +139,7 @@ class Checkpointer:
         self.peak_lr, self.total_steps = plan.peak_lr, plan.total_steps
         self.layout = {"dataset": plan.dataset_name, "world_size": dist.get_world_size()}
         self.layout |= {"global_batch_size": plan.global_batch_size, "device": device.type}
+        self.layout["optimizer"] = getattr(args, "optimizer", None)  # its state must be the same
         self.branch = None  # rank 0's: the --resume-from it descends from
         self.aliases = {}  # resume's
 
@@ -338,6 +339,8 @@ class Checkpointer:
             log(f"--resume-from {chosen} was applied before: its branch goes on from {found[0]}")
             return found
         path = chosen if os.sep in chosen else os.path.join(self.directory or ".", chosen)
+        if not os.path.isdir(path):
+            raise UsageError(self._gone(chosen, path))
         info, problem = _verify(path, self.layout)
         if problem:
             raise UsageError(f"--resume-from {chosen} is not an intact checkpoint ({problem})")
@@ -350,6 +353,26 @@ class Checkpointer:
             log(f"--resume-from {chosen}: the newer {moved} moved aside to abandoned-step-<N>")
         self.branch = chosen
         return path, info
+
+    def _gone(self, chosen, path):
+        """--resume-from's line when ``path`` is not there: the checkpoints that are, and whether
+        --keep-checkpoints deleted it."""
+        folder, name = os.path.split(os.path.normpath(path))
+        names = os.listdir(folder or ".") if os.path.isdir(folder or ".") else []
+        found = [n for n in names if n.startswith("step-") and n[5:].isdigit()]
+        found.sort(key=lambda n: int(n[5:]))
+        if not found:
+            return f"--resume-from {chosen}: no such checkpoint, and none is in {folder or '.'}"
+        line = f"--resume-from {chosen}: no such checkpoint; {folder or '.'} holds "
+        line += f"{', '.join(found)}: resume from one of those"
+        keep = self.args.keep_checkpoints
+        older = name[5:].isdigit() and int(name[5:]) < int(found[0][5:])
+        if name.startswith("step-") and older and len(found) >= keep:  # pruned, as saves do
+            line += (
+                f" (--keep-checkpoints {keep} keeps the newest {keep}: {name} was deleted when "
+                "newer ones were saved; raise it to keep more)"
+            )
+        return line
 
     def _newest_in_directory(self, log):
         """On rank 0: (path, checkpoint.json) or None; newer damaged ones go aside."""
@@ -394,6 +417,14 @@ def _verify(path, layout=None):
             f"checkpoint {manifest} was saved with dataset {info['layout']['dataset']}, "
             f"this run has dataset {layout['dataset']}; use another --checkpoint-dir "
             "or the same dataset"
+        )
+    saved = info["layout"].get("optimizer")  # None: a checkpoint from before it was recorded
+    if layout and saved and layout["optimizer"] and saved != layout["optimizer"]:
+        raise UsageError(
+            f"checkpoint {path} holds this model with --optimizer {saved}'s state, and this run "
+            f"has --optimizer {layout['optimizer']}: resume with --optimizer {saved}, or, to "
+            f"change optimizers, start from its weights (python -m plumbing.consolidate {path} "
+            "weights.pt, then --init-from weights.pt with another --checkpoint-dir)"
         )
     for name, expected in files.items():
         try:
