@@ -3,6 +3,7 @@
 import argparse
 import math
 import os
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -195,12 +196,19 @@ def autocast(args, device):  # for the forward, CPU and GPU alike
 
 class Batches:
     """Indices to (inputs, labels) batches on ``device``: by index from a TensorDataset there,
-    else one DataLoader, forked once (3.11 can hang a fork as another loader's threads end)."""
+    else one DataLoader, forked once (3.11 can hang a fork as another loader's threads end).
+    Once the model is known (``expect``), its data is checked against it: all of a TensorDataset
+    there, at once, else the first batch drawn."""
+
+    made = weakref.WeakKeyDictionary()  # this process's, in order: checked when the model is known
+    expected = None  # what the model takes: ``expect``'s
 
     def __init__(self, dataset, batch_size, device, dtype, workers=0, seed=0):
         self.dataset, self.batch_size, self.device, self.dtype = dataset, batch_size, device, dtype
         self.order = []  # the DataLoader's sampler: each call fills it
         gather = isinstance(dataset, TensorDataset) and dataset.tensors[0].device == device
+        self.checked = False
+        Batches.made[self] = None
         self.loader = None
         if workers or not gather:
             self.loader = DataLoader(
@@ -223,7 +231,74 @@ class Batches:
         for inputs, labels in loaded:  # floating inputs in the model's dtype
             dtype = self.dtype if inputs.is_floating_point() else None
             inputs = inputs.to(self.device, dtype, non_blocking=True)
-            yield inputs, labels.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            if not self.checked and Batches.expected:  # a DataLoader's first batch
+                check_data(inputs, labels, self.order or indices, Batches.expected)
+                self.checked = True
+            yield inputs, labels
+
+    @classmethod
+    def expect(cls, expected):
+        """What the model takes (``watch.flops_per_sample`` reads it off its logits): checks the
+        data of every Batches, now where it is a TensorDataset on the device (a sync a chunk)."""
+        cls.expected = expected
+        for batches in [b for b in cls.made if b.loader is None and not b.checked]:
+            count, chunk = len(batches.dataset), 8192  # a chunk's copy: 25 MB of MNIST
+            for start in range(0, count, chunk):
+                rows = range(start, min(start + chunk, count))
+                index = torch.arange(rows.start, rows.stop, device=batches.device)
+                inputs, labels = batches.dataset[index]
+                check_data(inputs, labels, rows, expected)
+            batches.checked = True
+
+
+def check_data(inputs, labels, samples, expected):
+    """One line, before the first step, for data that does not fit the model: token ids at or
+    beyond its vocabulary, labels outside its classes, targets of another shape than its logits
+    (which would be a device-side assert on a GPU, an IndexError or a traceback on a CPU).
+    ``samples``: the data set's index of each row; ``expected``: ``watch.flops_per_sample``'s."""
+    if expected.get("embedding") and not inputs.is_floating_point():
+        check_ids(inputs, samples, expected["embedding"])
+    if labels.is_floating_point():  # probabilities, not class indices: cross_entropy checks them
+        return
+    targets, logits = list(labels.shape[1:]), expected["logits"]
+    same_inputs = list(inputs.shape[1:]) == expected["inputs"]  # else only the dims must agree
+    if len(targets) != len(logits) - 1 or (same_inputs and targets != logits[:-1]):
+        raise UsageError(
+            f"the data's targets are {targets} a sample, and the model's logits {logits}: "
+            f"cross_entropy takes a class index per row of logits, {logits[:-1]} a sample; "
+            "make the model's output or the labels fit"
+        )
+    low, high = torch.stack([labels.min(), labels.max()]).tolist()  # one sync
+    classes = logits[-1]
+    if low < 0 or high >= classes:
+        bad = low if low < 0 else high
+        raise UsageError(
+            f"{_sample(labels, bad, samples)} of the data has label {bad}, outside the model's "
+            f"{classes} classes (its logits' last dimension): labels are 0 to {classes - 1}; fix "
+            f"the data, or give the model {max(bad + 1, classes)} outputs"
+        )
+
+
+def check_ids(inputs, samples, embedding):
+    """One line if a token id is outside ``embedding``, (name, rows): the model's vocabulary."""
+    low, high = torch.stack([inputs.min(), inputs.max()]).tolist()  # one sync
+    name, rows = embedding
+    if low < 0 or high >= rows:
+        bad = low if low < 0 else high
+        raise UsageError(
+            f"{_sample(inputs, bad, samples)} of the data has token id {bad}, "
+            f"{'below 0' if bad < 0 else 'at or beyond'} the model's vocabulary of {rows} (its "
+            f"{name} has {rows} rows): fix the data, or give the model a vocabulary of at least "
+            f"{max(bad + 1, rows)}"
+        )
+
+
+def _sample(tensor, value, samples):  # "sample N": the data set's index of a row holding ``value``
+    if samples is None:
+        return "a sample"
+    row = (tensor == value).reshape(len(tensor), -1).any(dim=1).nonzero()[0, 0].item()
+    return f"sample {list(samples)[row] if row < len(samples) else row}"
 
 
 @torch.no_grad()

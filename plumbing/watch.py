@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
+from plumbing import training
 from plumbing.checkpoints import save_json, write_atomically
 from plumbing.failures import UsageError, is_rank_0
 
@@ -188,18 +189,37 @@ class Profiler:
 
 
 def flops_per_sample(model, inputs):
-    """FLOPs of a forward and a backward on one sample."""
+    """FLOPs of a forward and a backward on one sample. What the logits say the model takes (its
+    classes, its vocabulary) goes to ``training.Batches.expect``, which checks the data with it."""
     model.eval()  # BatchNorm takes one sample; no running statistic moves
-    with FlopCounterMode(display=False) as counter:
-        logits = model(inputs)
-        if not torch.is_tensor(logits) or logits.dim() < 2:  # refused before the first step
-            raise UsageError(
-                f"your model's forward returned {type(logits).__name__}, not one tensor of logits "
-                "(..., classes): return only the logits (a Hugging Face model's output.logits)"
-            )
-        logits.sum().backward()
+    expected = {"inputs": list(inputs.shape[1:])}
+
+    def hook(name):  # before the Embedding that indexes the inputs: their ids must be in it
+        def check(module, args):
+            if "embedding" not in expected and args and args[0] is inputs:
+                expected["embedding"] = (name, module.num_embeddings)
+                training.check_ids(inputs, None, expected["embedding"])
+
+        return check
+
+    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)]
+    hooks = [m.register_forward_pre_hook(hook(n)) for n, m in embeddings]
+    try:
+        with FlopCounterMode(display=False) as counter:
+            logits = model(inputs)
+            if not torch.is_tensor(logits) or logits.dim() < 2:  # refused before the first step
+                raise UsageError(
+                    f"your model's forward returned {type(logits).__name__}, not one tensor of "
+                    "logits (..., classes): return only the logits (a Hugging Face model's "
+                    "output.logits)"
+                )
+            logits.sum().backward()
+    finally:
+        for handle in hooks:
+            handle.remove()
     model.train()
     model.zero_grad(set_to_none=True)
+    training.Batches.expect(expected | {"logits": list(logits.shape[1:])})
     return counter.get_total_flops()
 
 
