@@ -200,15 +200,14 @@ class Batches:
     Once the model is known (``expect``), its data is checked against it: all of a TensorDataset
     there, at once, else the first batch drawn."""
 
-    made = weakref.WeakKeyDictionary()  # this process's, in order: checked when the model is known
-    expected = None  # what the model takes: ``expect``'s
+    unchecked = weakref.WeakKeyDictionary()  # in order: ``expect`` checks them
 
     def __init__(self, dataset, batch_size, device, dtype, workers=0, seed=0):
         self.dataset, self.batch_size, self.device, self.dtype = dataset, batch_size, device, dtype
         self.order = []  # the DataLoader's sampler: each call fills it
         gather = isinstance(dataset, TensorDataset) and dataset.tensors[0].device == device
-        self.checked = False
-        Batches.made[self] = None
+        self.expected = None  # what the model takes, for a DataLoader's first batch
+        Batches.unchecked[self] = None
         self.loader = None
         if workers or not gather:
             self.loader = DataLoader(
@@ -232,24 +231,26 @@ class Batches:
             dtype = self.dtype if inputs.is_floating_point() else None
             inputs = inputs.to(self.device, dtype, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
-            if not self.checked and Batches.expected:  # a DataLoader's first batch
-                check_data(inputs, labels, self.order or indices, Batches.expected)
-                self.checked = True
+            if self.expected:  # a DataLoader's first batch since ``expect``
+                check_data(inputs, labels, self.order or indices, self.expected)
+                self.expected = None
             yield inputs, labels
 
     @classmethod
     def expect(cls, expected):
         """What the model takes (``watch.flops_per_sample`` reads it off its logits): checks the
         data of every Batches, now where it is a TensorDataset on the device (a sync a chunk)."""
-        cls.expected = expected
-        for batches in [b for b in cls.made if b.loader is None and not b.checked]:
+        for batches in list(cls.unchecked):
+            del cls.unchecked[batches]
+            if batches.loader is not None:  # its next batch
+                batches.expected = expected
+                continue
             count, chunk = len(batches.dataset), 8192  # a chunk's copy: 25 MB of MNIST
             for start in range(0, count, chunk):
                 rows = range(start, min(start + chunk, count))
                 index = torch.arange(rows.start, rows.stop, device=batches.device)
                 inputs, labels = batches.dataset[index]
                 check_data(inputs, labels, rows, expected)
-            batches.checked = True
 
 
 def check_data(inputs, labels, samples, expected):
