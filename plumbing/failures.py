@@ -160,15 +160,16 @@ def transient(error):
 def bug_or_bad_data(error):
     """One line for what a retry repeats, else None: a CUDA kernel's fault (a device-side assert, an
     illegal memory access) or an IndexError, most often bad data the model indexes with."""
+    line = "a bug or bad data, which a retry repeats (not retried)"
     if isinstance(error, ACCELERATOR_ERROR) and _cuda_code(error) in CUDA_BUGS:
         what = str(error).strip().splitlines()[0]
-        hint = "; CUDA_LAUNCH_BLOCKING=1 makes the error name the operation that raised it"
-    elif isinstance(error, IndexError):
+        hint = "CUDA_LAUNCH_BLOCKING=1 makes the error name the operation that raised it"
+        return f"{what}: {line}: {LIKELY}; {hint}"
+    if isinstance(error, IndexError):
         what = f"IndexError: {' '.join(str(error).split())[:200].rstrip('.')}{_where(error)}"
-        hint = ""
-    else:
-        return None
-    return f"{what}: a bug or bad data, which a retry repeats (not retried): {LIKELY}{hint}"
+        # torch's own (an embedding's, a loss's): data out of range; elsewhere, any index
+        return f"{what}: {line}" + (f": {LIKELY}" if _raised_in(error, ("torch",)) else "")
+    return None
 
 
 def _cuda_code(error):

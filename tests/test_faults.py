@@ -381,6 +381,8 @@ KINDS = {
     ),
     # on a CPU, the same bad token id: IndexError
     "index-error": (lambda: raised(lambda: torch.nn.Embedding(65, 4)(torch.tensor([70]))), 2),
+    # an index of the user's own code: a bug, with no guess at data
+    "list-index": (lambda: raised(lambda: [][1]), 2),
     "label-out-of-range": (
         lambda: raised(lambda: F.cross_entropy(torch.zeros(2, 10), torch.tensor([3, 12]))),
         2,
@@ -406,7 +408,10 @@ def test_a_failure_is_retried_by_its_type_never_by_its_text(kind):
     error = make()
     retry, bug = failures.transient(error), failures.bug_or_bad_data(error)
     assert (retry is not None, bug is not None) == (exit_code == 75, exit_code == 2), (retry, bug)
-    if exit_code == 2:
+    if kind == "list-index":
+        assert bug.startswith("IndexError: list index out of range, at tests/test_faults.py:")
+        assert bug.endswith(" (<lambda>): a bug or bad data, which a retry repeats (not retried)")
+    elif exit_code == 2:
         assert bug.endswith(
             ": a bug or bad data, which a retry repeats (not retried): most likely a token id at "
             "or beyond the model's vocabulary, or a label outside its classes"
