@@ -23,35 +23,16 @@ RETRY_EXIT = 75  # EX_TEMPFAIL: torchrun restarts it, not a bad input's 2
 # A failed write the user must fix (the disk, its permissions), not a passing fault.
 USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR}
 USER_ERRNOS |= {errno.EISDIR}
-# torch.distributed's own errors: a peer, the store or the backend failed (getattr: each is in torch
-# 2.9; a copy on an older torch still imports).
-DIST_ERRORS = tuple(
-    getattr(dist, name)
-    for name in ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
-    if hasattr(dist, name)
-)
-# gloo's errors are plain RuntimeErrors: what marks them is the gloo source file they start with.
-GLOO_SOURCE = re.compile(r"\[[^\]\s]*gloo/[^\]\s]*:\d+\]")
-ACCELERATOR_ERROR = getattr(torch, "AcceleratorError", ())  # torch 2.8 on; () matches nothing
-# CUDA's error codes (cudaError_t, AcceleratorError.error_code) with CUDA's own words for them
-# (cudaGetErrorString): a fault of the hardware may pass on another attempt, a kernel's never does.
-CUDA_TRANSIENT = {
-    46: "CUDA-capable device(s) is/are busy or unavailable",  # cudaErrorDevicesUnavailable
-    100: "no CUDA-capable device is detected",  # cudaErrorNoDevice: the GPU was lost mid-run
-    214: "uncorrectable ECC error encountered",  # cudaErrorECCUncorrectable
-    220: "uncorrectable NVLink error detected during the execution",  # NvlinkUncorrectable
-}
-CUDA_BUGS = {
-    710: "device-side assert triggered",  # cudaErrorAssert: an index out of range, most often
-    700: "an illegal memory access was encountered",  # cudaErrorIllegalAddress
-    715: "an illegal instruction was encountered",  # cudaErrorIllegalInstruction
-    716: "misaligned address",  # cudaErrorMisalignedAddress
-    717: "operation not supported on global/shared address space",  # InvalidAddressSpace
-    718: "invalid program counter",  # cudaErrorInvalidPc
-}
-LIKELY = (
-    "most likely a token id at or beyond the model's vocabulary, or a label outside its classes"
-)
+# torch.distributed's errors: DistBackendError, DistNetworkError, DistStoreError (torch 2.9 has all)
+DIST_ERROR = getattr(dist, "DistError", ())  # (): matches nothing
+GLOO_SOURCE = re.compile(r"\[\S*gloo/\S*:\d+\]")  # starts gloo's errors, plain RuntimeErrors
+ACCELERATOR_ERROR = getattr(torch, "AcceleratorError", ())  # from torch 2.8
+TORCH = os.path.dirname(torch.__file__) + os.sep  # its files: where an error was raised
+# AcceleratorError.error_code, CUDA's cudaError_t: a fault of the hardware may pass on a retry (a
+# busy or lost GPU, an uncorrectable ECC or NVLink error), a kernel's never does (an assert, an
+# illegal address, instruction or program counter).
+CUDA_TRANSIENT, CUDA_BUGS = {46, 100, 214, 220}, {700, 710, 715, 716, 717, 718}
+LIKELY = "most likely a token id outside the model's vocabulary, or a label outside its classes"
 
 
 class UsageError(Exception):
@@ -145,13 +126,10 @@ def transient(error):
     if isinstance(error, OSError):
         return None if error.errno in USER_ERRNOS else f"{type(error).__name__}: {text}"
     if isinstance(error, ACCELERATOR_ERROR):
-        code = _cuda_code(error)
-        return f"the GPU failed ({text})" if code in CUDA_TRANSIENT else None
-    if isinstance(error, DIST_ERRORS) or (
-        type(error) is RuntimeError and GLOO_SOURCE.match(str(error))
-    ):
+        return f"the GPU failed ({text})" if _cuda_code(error) in CUDA_TRANSIENT else None
+    if isinstance(error, DIST_ERROR) or (type(error) is RuntimeError and GLOO_SOURCE.match(text)):
         return f"a collective failed ({text})"
-    if type(error) is RuntimeError and _raised_in(error, ("torch", "utils", "data")):
+    if type(error) is RuntimeError and _raised_in(error, os.path.join("utils", "data", "")):
         # the DataLoader's own: a worker that timed out or died, not what its Dataset raised
         return f"a DataLoader worker of this rank failed ({text}): slow storage, or out of memory?"
     return None
@@ -165,37 +143,28 @@ def bug_or_bad_data(error):
         what = str(error).strip().splitlines()[0]
         hint = "CUDA_LAUNCH_BLOCKING=1 makes the error name the operation that raised it"
         return f"{what}: {line}: {LIKELY}; {hint}"
-    if isinstance(error, IndexError):
-        what = f"IndexError: {' '.join(str(error).split())[:200].rstrip('.')}{_where(error)}"
-        # torch's own (an embedding's, a loss's): data out of range; elsewhere, any index
-        return f"{what}: {line}" + (f": {LIKELY}" if _raised_in(error, ("torch",)) else "")
+    if isinstance(error, IndexError):  # torch's (an embedding's, a loss's): data out of range
+        what = " ".join(str(error).split())[:200].rstrip(".")
+        likely = f": {LIKELY}" if _raised_in(error) else ""
+        return f"IndexError: {what}{_where(error)}: {line}{likely}"
     return None
 
 
-def _cuda_code(error):
-    """cudaError_t of an AcceleratorError: its error_code, else read from CUDA's own words."""
-    code = getattr(error, "error_code", None)
-    if code is None:
-        words = str(error).partition("CUDA error: ")[2].splitlines()[:1]
-        known = {**CUDA_TRANSIENT, **CUDA_BUGS}.items()
-        code = next((number for number, said in known if words == [said]), None)
-    return code
+def _cuda_code(error):  # cudaError_t; without one (not torch's own), CUDA's words for an assert
+    assert_words = "CUDA error: device-side assert triggered" in str(error)
+    return getattr(error, "error_code", 710 if assert_words else None)
 
 
-def _raised_in(error, package):  # whether the innermost frame is in torch's ``package``
+def _raised_in(error, package=""):  # whether the innermost frame is in torch's ``package``
     frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and os.path.join(os.sep, *package, "") in frames[-1].filename
+    return bool(frames) and frames[-1].filename.startswith(TORCH + package)
 
 
-def _where(error):
-    """ ", at FILE:LINE (FUNCTION)": the innermost frame outside torch, the user's line."""
-    torch_dir = os.path.dirname(torch.__file__) + os.sep
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if torch_dir not in f.filename]
-    if not frames:
-        return ""
-    path = os.path.relpath(frames[-1].filename)
-    path = frames[-1].filename if path.startswith("..") else path
-    return f", at {path}:{frames[-1].lineno} ({frames[-1].name})"
+def _where(error):  # ", at FILE:LINE (FUNCTION)": the innermost frame outside torch
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if TORCH not in f.filename]
+    path = frames and os.path.relpath(frames[-1].filename)
+    path = frames and (frames[-1].filename if path.startswith("..") else path)
+    return f", at {path}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
 
 
 def _end(line, exit_code, rank, note, cause=None):

@@ -232,7 +232,7 @@ class Batches:
             inputs = inputs.to(self.device, dtype, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             if self.expected:  # a DataLoader's first batch since ``expect``
-                check_data(inputs, labels, self.order or indices, self.expected)
+                check_data(inputs, labels, list(self.order or indices), self.expected)
                 self.expected = None
             yield inputs, labels
 
@@ -254,52 +254,36 @@ class Batches:
 
 
 def check_data(inputs, labels, samples, expected):
-    """One line, before the first step, for data that does not fit the model: token ids at or
-    beyond its vocabulary, labels outside its classes, targets of another shape than its logits
-    (which would be a device-side assert on a GPU, an IndexError or a traceback on a CPU).
-    ``samples``: the data set's index of each row; ``expected``: ``watch.flops_per_sample``'s."""
+    """One line for data that does not fit the model (``watch.flops_per_sample``'s ``expected``),
+    before the first step: on a GPU a device-side assert, on a CPU an IndexError or a traceback.
+    ``samples``: the data set's index of each row, or None; ``labels``: None, for ids alone."""
+    checks = []  # (what, its tensor, how many the model has, what the model has, the fix)
     if expected.get("embedding") and not inputs.is_floating_point():
-        check_ids(inputs, samples, expected["embedding"])
-    if labels.is_floating_point():  # probabilities, not class indices: cross_entropy checks them
-        return
-    targets, logits = list(labels.shape[1:]), expected["logits"]
-    same_inputs = list(inputs.shape[1:]) == expected["inputs"]  # else only the dims must agree
-    if len(targets) != len(logits) - 1 or (same_inputs and targets != logits[:-1]):
-        raise UsageError(
-            f"the data's targets are {targets} a sample, and the model's logits {logits}: "
-            f"cross_entropy takes a class index per row of logits, {logits[:-1]} a sample; "
-            "make the model's output or the labels fit"
-        )
-    low, high = torch.stack([labels.min(), labels.max()]).tolist()  # one sync
-    classes = logits[-1]
-    if low < 0 or high >= classes:
-        bad = low if low < 0 else high
-        raise UsageError(
-            f"{_sample(labels, bad, samples)} of the data has label {bad}, outside the model's "
-            f"{classes} classes (its logits' last dimension): labels are 0 to {classes - 1}; fix "
-            f"the data, or give the model {max(bad + 1, classes)} outputs"
-        )
-
-
-def check_ids(inputs, samples, embedding):
-    """One line if a token id is outside ``embedding``, (name, rows): the model's vocabulary."""
-    low, high = torch.stack([inputs.min(), inputs.max()]).tolist()  # one sync
-    name, rows = embedding
-    if low < 0 or high >= rows:
-        bad = low if low < 0 else high
-        raise UsageError(
-            f"{_sample(inputs, bad, samples)} of the data has token id {bad}, "
-            f"{'below 0' if bad < 0 else 'at or beyond'} the model's vocabulary of {rows} (its "
-            f"{name} has {rows} rows): fix the data, or give the model a vocabulary of at least "
-            f"{max(bad + 1, rows)}"
-        )
-
-
-def _sample(tensor, value, samples):  # "sample N": the data set's index of a row holding ``value``
-    if samples is None:
-        return "a sample"
-    row = (tensor == value).reshape(len(tensor), -1).any(dim=1).nonzero()[0, 0].item()
-    return f"sample {list(samples)[row] if row < len(samples) else row}"
+        name, rows = expected["embedding"]
+        has, fix = f"vocabulary of {{}} (the rows of {name})", "a vocabulary of at least {}"
+        checks.append(("token id", inputs, rows, has, fix))
+    if labels is not None and not labels.is_floating_point():  # floats: probabilities
+        targets, logits = list(labels.shape[1:]), expected["logits"]
+        same_inputs = list(inputs.shape[1:]) == expected["inputs"]  # else only the dims agree
+        if len(targets) != len(logits) - 1 or (same_inputs and targets != logits[:-1]):
+            raise UsageError(
+                f"the data's targets are {targets} a sample, and the model's logits {logits}: "
+                f"cross_entropy takes a class index per row of logits, {logits[:-1]} a sample; "
+                "make the model's output or the labels fit"
+            )
+        has, fix = "{} classes (its logits' last dimension)", "at least {} outputs"
+        checks.append(("label", labels, logits[-1], has, fix))
+    bounds = [b.long() for _, t, *_ in checks for b in (t.min(), t.max())]
+    bounds = torch.stack(bounds).tolist() if bounds else []  # one sync
+    for (what, tensor, size, has, fix), low, high in zip(checks, bounds[::2], bounds[1::2]):
+        if low < 0 or high >= size:
+            bad = low if low < 0 else high
+            row = (tensor == bad).reshape(len(tensor), -1).any(dim=1).nonzero()[0, 0].item()
+            sample = "a sample" if samples is None else f"sample {samples[row]}"
+            raise UsageError(
+                f"{sample} of the data has {what} {bad}, outside the model's {has.format(size)}: "
+                f"fix the data, or give the model {fix.format(max(bad + 1, size))}"
+            )
 
 
 @torch.no_grad()

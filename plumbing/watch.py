@@ -6,6 +6,7 @@ import os
 import resource
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -189,34 +190,28 @@ class Profiler:
 
 
 def flops_per_sample(model, inputs):
-    """FLOPs of a forward and a backward on one sample. What the logits say the model takes (its
-    classes, its vocabulary) goes to ``training.Batches.expect``, which checks the data with it."""
+    """FLOPs of a forward and a backward on one sample. What the model takes (its classes, its
+    vocabulary) goes to ``training.Batches.expect``, which checks the data with it."""
     model.eval()  # BatchNorm takes one sample; no running statistic moves
     expected = {"inputs": list(inputs.shape[1:])}
 
-    def hook(name):  # before the Embedding that indexes the inputs: their ids must be in it
-        def check(module, args):
-            if "embedding" not in expected and args and args[0] is inputs:
-                expected["embedding"] = (name, module.num_embeddings)
-                training.check_ids(inputs, None, expected["embedding"])
-
-        return check
+    def ids_in(name, module, args):  # before the Embedding the inputs index: their ids fit it?
+        if "embedding" not in expected and args and args[0] is inputs:
+            expected["embedding"] = (name, module.num_embeddings)
+            training.check_data(inputs, None, None, expected)
 
     embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)]
-    hooks = [m.register_forward_pre_hook(hook(n)) for n, m in embeddings]
-    try:
-        with FlopCounterMode(display=False) as counter:
-            logits = model(inputs)
-            if not torch.is_tensor(logits) or logits.dim() < 2:  # refused before the first step
-                raise UsageError(
-                    f"your model's forward returned {type(logits).__name__}, not one tensor of "
-                    "logits (..., classes): return only the logits (a Hugging Face model's "
-                    "output.logits)"
-                )
-            logits.sum().backward()
-    finally:
-        for handle in hooks:
-            handle.remove()
+    hooks = [m.register_forward_pre_hook(partial(ids_in, n)) for n, m in embeddings]
+    with FlopCounterMode(display=False) as counter:
+        logits = model(inputs)
+        if not torch.is_tensor(logits) or logits.dim() < 2:  # refused before the first step
+            raise UsageError(
+                f"your model's forward returned {type(logits).__name__}, not one tensor of logits "
+                "(..., classes): return only the logits (a Hugging Face model's output.logits)"
+            )
+        logits.sum().backward()
+    for handle in hooks:  # (an error above ends the run)
+        handle.remove()
     model.train()
     model.zero_grad(set_to_none=True)
     training.Batches.expect(expected | {"logits": list(logits.shape[1:])})

@@ -477,21 +477,21 @@ MISFITS = {
         "    model = models.GPT(train_set.vocab_size - 5, **size, device=device, dtype=dtype)\n",
         ["--model", "gpt"],
         # found in the first test sample, whose largest id is 'y' or 'z', of 65
-        ", at or beyond the model's vocabulary of 60 (its blocks.0.tokens has 60 rows): fix the "
-        "data, or give the model a vocabulary of at least 6",
+        ", outside the model's vocabulary of 60 (the rows of blocks.0.tokens): fix the data, or "
+        "give the model a vocabulary of at least 6",
     ),
     "label-outside-the-classes": (
         "    model = models.BabyCNN(1, 5, 28, 1, device=device, dtype=dtype)\n",
         mnist_args("{mnist}"),
         "of the data has label 9, outside the model's 5 classes (its logits' last dimension): "
-        "labels are 0 to 4; fix the data, or give the model 10 outputs",
+        "fix the data, or give the model at least 10 outputs",
     ),
     # read through a DataLoader (not a tensor on the device): its first batch is checked
     "label-outside-the-classes-read-by-workers": (
         "    model = models.BabyCNN(1, 5, 28, 1, device=device, dtype=dtype)\n",
         [*mnist_args("{mnist}"), "--workers", "1"],
-        "outside the model's 5 classes (its logits' last dimension): labels are 0 to 4; fix the "
-        "data, or give the model ",
+        "outside the model's 5 classes (its logits' last dimension): fix the data, or give the "
+        "model at least ",
     ),
     "targets-of-another-shape": (
         "    model = models.BabyCNN(1, 10, 28, 1, device=device, dtype=dtype)\n"

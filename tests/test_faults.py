@@ -371,7 +371,7 @@ KINDS = {
     "io-error": (lambda: OSError(errno.EIO, "Input/output error"), 75),
     "full-disk": (lambda: OSError(errno.ENOSPC, "No space left on device"), None),
     "ecc": (lambda: accelerator_error("uncorrectable ECC error encountered", 214), 75),
-    "lost-gpu": (lambda: accelerator_error("no CUDA-capable device is detected"), 75),
+    "lost-gpu": (lambda: accelerator_error("no CUDA-capable device is detected", 100), 75),
     # the issue's own: torch 2.8's AcceleratorError with CUDA's words, and with its error code
     "device-side-assert": (lambda: accelerator_error("device-side assert triggered"), 2),
     "device-side-assert-code": (lambda: accelerator_error("device-side assert triggered", 710), 2),
@@ -413,8 +413,8 @@ def test_a_failure_is_retried_by_its_type_never_by_its_text(kind):
         assert bug.endswith(" (<lambda>): a bug or bad data, which a retry repeats (not retried)")
     elif exit_code == 2:
         assert bug.endswith(
-            ": a bug or bad data, which a retry repeats (not retried): most likely a token id at "
-            "or beyond the model's vocabulary, or a label outside its classes"
+            ": a bug or bad data, which a retry repeats (not retried): most likely a token id "
+            "outside the model's vocabulary, or a label outside its classes"
             + ("; CUDA_LAUNCH_BLOCKING=1 makes the error name the operation that raised it")
             * kind.startswith(("device", "illegal"))
         ), bug

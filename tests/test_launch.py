@@ -287,7 +287,7 @@ ENDINGS = {  # rank 1's line, and what the launch must print after its command l
         "torch.nn.Embedding(65, 4)(torch.tensor([70]))",
         [
             "error: IndexError: index out of range in self, at {path}:8 (main): a bug or bad data, "
-            "which a retry repeats (not retried): most likely a token id at or beyond the model's "
+            "which a retry repeats (not retried): most likely a token id outside the model's "
             "vocabulary, or a label outside its classes"
         ],
         2,
