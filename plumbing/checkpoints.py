@@ -230,12 +230,12 @@ class Checkpointer:
             states["cuda"] = torch.cuda.get_rng_state(self.device)
         return states
 
-    def _names(self):
-        has_folder = self.directory and os.path.isdir(self.directory)
-        return os.listdir(self.directory) if has_folder else []
+    def _names(self, folder=None):
+        folder = folder or self.directory
+        return os.listdir(folder) if folder and os.path.isdir(folder) else []
 
-    def _list_complete(self):  # oldest first
-        names = [n for n in self._names() if n.startswith("step-") and n[5:].isdigit()]
+    def _list_complete(self, folder=None):  # oldest first
+        names = [n for n in self._names(folder) if n.startswith("step-") and n[5:].isdigit()]
         return sorted(names, key=lambda name: int(name[5:]))
 
     def _remove_strays(self):  # crashed saves' .tmp-step-<N>
@@ -354,24 +354,15 @@ class Checkpointer:
         self.branch = chosen
         return path, info
 
-    def _gone(self, chosen, path):
-        """--resume-from's line when ``path`` is not there: the checkpoints that are, and whether
-        --keep-checkpoints deleted it."""
+    def _gone(self, chosen, path):  # --resume-from's line when ``path`` is not there
         folder, name = os.path.split(os.path.normpath(path))
-        names = os.listdir(folder or ".") if os.path.isdir(folder or ".") else []
-        found = [n for n in names if n.startswith("step-") and n[5:].isdigit()]
-        found.sort(key=lambda n: int(n[5:]))
-        if not found:
-            return f"--resume-from {chosen}: no such checkpoint, and none is in {folder or '.'}"
+        found = self._list_complete(folder or ".")
         line = f"--resume-from {chosen}: no such checkpoint; {folder or '.'} holds "
-        line += f"{', '.join(found)}: resume from one of those"
-        keep = self.args.keep_checkpoints
-        older = name[5:].isdigit() and int(name[5:]) < int(found[0][5:])
-        if name.startswith("step-") and older and len(found) >= keep:  # pruned, as saves do
-            line += (
-                f" (--keep-checkpoints {keep} keeps the newest {keep}: {name} was deleted when "
-                "newer ones were saved; raise it to keep more)"
-            )
+        line += f"{', '.join(found)}: resume from one of those" if found else "none"
+        keep, step = self.args.keep_checkpoints, name.removeprefix("step-")
+        if found and step.isdigit() and int(step) < int(found[0][5:]) and len(found) >= keep:
+            line += f" (--keep-checkpoints {keep} keeps the newest {keep}: {name} was deleted when "
+            line += "newer ones were saved; raise it to keep more)"  # as each save does
         return line
 
     def _newest_in_directory(self, log):
