@@ -319,6 +319,40 @@ def test_a_failing_worker_is_said_once_in_its_own_words(case, tmp_path):
     assert len(lines) < 12, run.output
 
 
+RETRIED = """import os
+import torch.distributed as dist
+from plumbing import failures
+
+def main():
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        raise OSError(5, "Input/output error")  # a passing fault: exit code 75
+    dist.barrier()
+    print(f"rank {dist.get_rank()} done", flush=True)
+
+failures.run(main)
+"""
+
+
+def test_a_restart_says_why_from_the_failed_attempts_note(tmp_path):
+    """Rank 1's I/O error on the first attempt: torchrun restarts (MAX_RESTARTS=2), and one line
+    before it names the rank, its failure (its note's) and the attempts; the second passes."""
+    (tmp_path / "worker.py").write_text(RETRIED)
+    run = Run(
+        ["bash", ROOT / "launch.sh", tmp_path / "worker.py"],
+        env=launcher_env(NPROC_PER_NODE=2, MAX_RESTARTS=2),
+    ).wait(timeout=120)
+    restart = re.search(
+        r"^attempt 1 of 3 failed: rank 1 \(pid \d+\) on \S+: OSError: \[Errno 5\] Input/output "
+        r"error; torchrun restarts the workers \(attempt 2 of 3\)$",
+        run.output,
+        re.MULTILINE,
+    )
+    assert run.returncode == 0 and restart, run.output
+    assert "rank 0 done" in run.output and "rank 1 done" in run.output, run.output
+    assert "attempt 2 of 3 failed" not in run.output and "Traceback" not in run.output
+
+
 def test_a_killed_rank_is_one_line(mnist_dir):
     run = Run(
         ["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), "--epochs", "50", "--log-every", "1"],
