@@ -31,15 +31,16 @@
 # MASTER_PORT, RDZV_ID, JOIN_TIMEOUT and MAX_RESTARTS are not used. NPROC_PER_NODE is: its
 # --nproc-per-node outranks the operator's PET_NPROC_PER_NODE.
 #
-# A stop signal to torchrun (plumbing/hardening.py's STOP_SIGNALS: SIGTERM, SIGINT, SIGUSR1,
+# A stop signal to torchrun (plumbing/failures.py's STOP_SIGNALS: SIGTERM, SIGINT, SIGUSR1,
 # SLURM's warning before a time limit, SIGHUP, SIGQUIT): it passes the signal on, the workers stop
 # together within about a second of training and write a checkpoint (with --checkpoint-dir), and
 # the launch ends with exit code 128 + the signal's number (143, 130, 138, 129, 131), which
 # schedulers read as "preempted". A second signal ends it at once; one during start-up is one
 # line; one after the last step lets the run finish (exit code 0). A failed launch ends in one
-# line, not torchrun's traceback: exit code 2 for a bad input the workers found (not restarted), 75
-# for a failure that may pass on a retry (a peer lost: restarted while MAX_RESTARTS allows), 1 for
-# a crash (launch_torchrun.py says more).
+# line, not torchrun's traceback: exit code 2 for a bad input or a bug the workers found (not
+# restarted), 75 for a failure that may pass on a retry (a peer lost: restarted while MAX_RESTARTS
+# allows, each restart said in one line), 1 for a crash, 128 + the signal for a rank a signal ended
+# (launch_torchrun.py says more).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -12,11 +12,15 @@ torchrun's 40- to 80-line ChildFailedError traceback.
                   timeout, an I/O error): the workers exit with code 75 and torchrun's restarts
                   (MAX_RESTARTS) retry it; when none is left, the first failed rank's one line.
                   Exit code 75.
+  a restart       whatever failed, while MAX_RESTARTS allows: one line before torchrun restarts
+                  the workers, from the failed attempt's notes: which rank, what, attempt k of n.
   a crash         the first failed rank's traceback, once, from its error file (the ranks that
                   failed after it, because a peer had gone, are left out), then a line naming the
-                  rank. Exit code 1.
+                  rank. Its exit code, 1.
   a killed rank   one line: which rank, which signal (SIGKILL: often the kernel's out-of-memory
-                  killer). Exit code 1.
+                  killer). Exit code 128 + the signal's number (137 for SIGKILL).
+  a worker's stop a stop signal sent to one worker alone: the ranks stop together, as below, and
+                  rank 0 says where; exit code 128 + the signal's number, as the worker's.
   a stop signal   one of failures.STOP_SIGNALS: SIGTERM, SIGINT, SIGUSR1 (SLURM's warning; torch
                   2.9's torchrun dies of it), SIGHUP, SIGQUIT: passed on to the workers, which stop
                   together within about a second of training, write a checkpoint and say where;
@@ -126,9 +130,13 @@ def quiet_agent(record):  # the agent's warnings (agent.server.api) say only tha
     return record.levelno != logging.WARNING
 
 
+def ours(data):  # a note plumbing/failures.run wrote, not torch's placeholder {"message": "<NONE>"}
+    return isinstance(data, dict) and isinstance(data.get("message"), str) and "exit_code" in data
+
+
 def note(failure):  # what plumbing/failures.run wrote in the rank's error file: {} when nothing
     data = failure.error_file_data
-    return data if isinstance(data.get("message"), str) else {}
+    return data if ours(data) else {}
 
 
 def this_attempt(failures):
@@ -148,11 +156,37 @@ def this_attempt(failures):
                     notes.append(json.load(file))
             except (OSError, ValueError):  # not written by plumbing/failures.run (atomic writes)
                 pass
-    return [n for n in notes if isinstance(n, dict) and isinstance(n.get("message"), str)]
+    return [n for n in notes if ours(n)]
+
+
+def killed(failures):
+    """{rank: failure} of the ranks killed by a signal, not one torchrun sent itself on seeing
+    another rank fail (it may list those too)."""
+    return {
+        rank: failure
+        for rank, failure in failures.items()
+        if failure.exitcode < 0 and failure.pid not in stopping
+    }
+
+
+def first(failures):  # (rank, failure) of the first to fail: the earliest note, else the lowest
+    return min(failures.items(), key=lambda item: (note(item[1]).get("time", math.inf), item[0]))
+
+
+def cause(failures):
+    """The failure in a few words, for the line of a restart: which rank, what ended it."""
+    where = f" on {socket.gethostname()}"
+    if ranks := killed(failures):
+        rank, failure = min(ranks.items())
+        return f"rank {rank} (pid {failure.pid}){where} was killed by {failure.signal_name()}"
+    rank, failure = first(failures)
+    what = note(failure).get("cause") or f"exit code {failure.exitcode}"
+    return f"rank {rank} (pid {failure.pid}){where}: {what}"
 
 
 def ending(failures):
-    """The one line (and exit code) for torchrun's failures, {global rank: ProcessFailure}."""
+    """The one line (and exit code) for torchrun's failures, {global rank: ProcessFailure}: the
+    failed worker's own exit code, 128 + the signal for one that a signal ended."""
     if any(failure.exitcode == 2 for failure in failures.values()):  # the same bad input
         notes = [n for n in this_attempt(failures) if n.get("exit_code") == 2]
         if not notes:  # not through plumbing/failures.run: whatever the worker printed is above
@@ -162,34 +196,38 @@ def ending(failures):
             print(next(n["message"] for n in notes if n.get("here")), file=sys.stderr)
         return 2
     where = f" on {socket.gethostname()}"
-    # Killed by a signal, not one torchrun sent itself on seeing another rank fail (it may list
-    # those too).
-    killed = {
-        rank: failure
-        for rank, failure in failures.items()
-        if failure.exitcode < 0 and failure.pid not in stopping
-    }
-    if killed:  # the others failed because it had gone: their errors say only that
-        rank, failure = min(killed.items())
+    if ranks := killed(
+        failures
+    ):  # the others failed because it had gone: their errors say only that
+        rank, failure = min(ranks.items())
         name = failure.signal_name()
         why = ": out of memory? the kernel's log (dmesg) says" if name == "SIGKILL" else ""
         print(
             f"error: rank {rank} (pid {failure.pid}){where} was killed by {name}{why}",
             file=sys.stderr,
         )
-        return 1
-    rank, failure = min(failures.items(), key=lambda item: note(item[1]).get("time", math.inf))
-    if note(failure).get("exit_code") == RETRY_EXIT:  # a peer lost, a collective's timeout
-        print(note(failure)["message"], file=sys.stderr)
+        return 128 - failure.exitcode
+    rank, failure = first(failures)
+    data, code = note(failure), failure.exitcode
+    if data.get("exit_code") == RETRY_EXIT:  # a peer lost, a collective's timeout
+        print(data["message"], file=sys.stderr)
         return RETRY_EXIT
-    if note(failure):
-        print(note(failure)["message"], file=sys.stderr)
+    if code - 128 in STOP_SIGNALS:  # a stop signal sent to a worker: the ranks stopped together
+        notes = [n for n in this_attempt(failures) if n.get("exit_code") == code]
+        if not notes:  # not through plumbing/failures.run
+            name = signal.Signals(code - 128).name
+            print(f"rank {rank} (pid {failure.pid}){where} stopped on {name}", file=sys.stderr)
+        elif not any(n.get("said") for n in notes) and any(n.get("here") for n in notes):
+            print(next(n["message"] for n in notes if n.get("here")), file=sys.stderr)
+        return code
+    if data:
+        print(data["message"], file=sys.stderr)
     print(
-        f"error: rank {rank} (pid {failure.pid}){where} failed with exit code {failure.exitcode}"
-        + (": its traceback is above" if note(failure) else ""),
+        f"error: rank {rank} (pid {failure.pid}){where} failed with exit code {code}"
+        + (": its traceback is above" if data else ""),
         file=sys.stderr,
     )
-    return 1
+    return code
 
 
 def on_signal(number, frame):
@@ -255,10 +293,21 @@ def close(handler, death_sig=None, close=SubprocessHandler.close):
 
 def monitor(agent, worker_group, monitor=LocalElasticAgent._monitor_workers):
     """torchrun's check of its workers; a bad input (exit code 2) is not retried: it would fail
-    the same way."""
+    the same way. A restart says why in one line (torchrun's own log lines are left out)."""
     result = monitor(agent, worker_group)
-    if result.is_failed() and any(f.exitcode == 2 for f in result.failures.values()):
+    if not result.is_failed():
+        return result
+    if any(f.exitcode == 2 for f in result.failures.values()):
         agent._remaining_restarts = 0
+    elif agent._remaining_restarts:  # torchrun restarts them next: say why, once
+        attempts = worker_group.spec.max_restarts + 1
+        attempt = attempts - agent._remaining_restarts
+        print(
+            f"attempt {attempt} of {attempts} failed: {cause(result.failures)}; torchrun restarts "
+            f"the workers (attempt {attempt + 1} of {attempts})",
+            file=sys.stderr,
+            flush=True,
+        )
     return result
 
 

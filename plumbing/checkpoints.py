@@ -139,6 +139,7 @@ class Checkpointer:
         self.peak_lr, self.total_steps = plan.peak_lr, plan.total_steps
         self.layout = {"dataset": plan.dataset_name, "world_size": dist.get_world_size()}
         self.layout |= {"global_batch_size": plan.global_batch_size, "device": device.type}
+        self.layout["optimizer"] = getattr(args, "optimizer", None)  # its state must be the same
         self.branch = None  # rank 0's: the --resume-from it descends from
         self.aliases = {}  # resume's
 
@@ -229,12 +230,12 @@ class Checkpointer:
             states["cuda"] = torch.cuda.get_rng_state(self.device)
         return states
 
-    def _names(self):
-        has_folder = self.directory and os.path.isdir(self.directory)
-        return os.listdir(self.directory) if has_folder else []
+    def _names(self, folder=None):
+        folder = folder or self.directory
+        return os.listdir(folder) if folder and os.path.isdir(folder) else []
 
-    def _list_complete(self):  # oldest first
-        names = [n for n in self._names() if n.startswith("step-") and n[5:].isdigit()]
+    def _list_complete(self, folder=None):  # oldest first
+        names = [n for n in self._names(folder) if n.startswith("step-") and n[5:].isdigit()]
         return sorted(names, key=lambda name: int(name[5:]))
 
     def _remove_strays(self):  # crashed saves' .tmp-step-<N>
@@ -338,6 +339,8 @@ class Checkpointer:
             log(f"--resume-from {chosen} was applied before: its branch goes on from {found[0]}")
             return found
         path = chosen if os.sep in chosen else os.path.join(self.directory or ".", chosen)
+        if not os.path.isdir(path):
+            raise UsageError(self._gone(chosen, path))
         info, problem = _verify(path, self.layout)
         if problem:
             raise UsageError(f"--resume-from {chosen} is not an intact checkpoint ({problem})")
@@ -350,6 +353,17 @@ class Checkpointer:
             log(f"--resume-from {chosen}: the newer {moved} moved aside to abandoned-step-<N>")
         self.branch = chosen
         return path, info
+
+    def _gone(self, chosen, path):  # --resume-from's line when ``path`` is not there
+        folder, name = os.path.split(os.path.normpath(path))
+        found = self._list_complete(folder or ".")
+        line = f"--resume-from {chosen}: no such checkpoint; {folder or '.'} holds "
+        line += f"{', '.join(found)}: resume from one of those" if found else "none"
+        keep, step = self.args.keep_checkpoints, name.removeprefix("step-")
+        if found and step.isdigit() and int(step) < int(found[0][5:]) and len(found) >= keep:
+            line += f" (--keep-checkpoints {keep} keeps the newest {keep}: {name} was deleted when "
+            line += "newer ones were saved; raise it to keep more)"  # as each save does
+        return line
 
     def _newest_in_directory(self, log):
         """On rank 0: (path, checkpoint.json) or None; newer damaged ones go aside."""
@@ -394,6 +408,14 @@ def _verify(path, layout=None):
             f"checkpoint {manifest} was saved with dataset {info['layout']['dataset']}, "
             f"this run has dataset {layout['dataset']}; use another --checkpoint-dir "
             "or the same dataset"
+        )
+    saved = info["layout"].get("optimizer")  # None: a checkpoint from before it was recorded
+    if layout and saved and layout["optimizer"] and saved != layout["optimizer"]:
+        raise UsageError(
+            f"checkpoint {path} holds this model with --optimizer {saved}'s state, and this run "
+            f"has --optimizer {layout['optimizer']}: resume with --optimizer {saved}, or, to "
+            f"change optimizers, start from its weights (python -m plumbing.consolidate {path} "
+            "weights.pt, then --init-from weights.pt with another --checkpoint-dir)"
         )
     for name, expected in files.items():
         try:

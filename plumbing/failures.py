@@ -5,6 +5,7 @@ import errno
 import gc
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -22,6 +23,16 @@ RETRY_EXIT = 75  # EX_TEMPFAIL: torchrun restarts it, not a bad input's 2
 # A failed write the user must fix (the disk, its permissions), not a passing fault.
 USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR}
 USER_ERRNOS |= {errno.EISDIR}
+# torch.distributed's errors: DistBackendError, DistNetworkError, DistStoreError (torch 2.9 has all)
+DIST_ERROR = getattr(dist, "DistError", ())  # (): matches nothing
+GLOO_SOURCE = re.compile(r"\[\S*gloo/\S*:\d+\]")  # starts gloo's errors, plain RuntimeErrors
+ACCELERATOR_ERROR = getattr(torch, "AcceleratorError", ())  # from torch 2.8
+TORCH = os.path.dirname(torch.__file__) + os.sep  # its files: where an error was raised
+# AcceleratorError.error_code, CUDA's cudaError_t: a fault of the hardware may pass on a retry (a
+# busy or lost GPU, an uncorrectable ECC or NVLink error), a kernel's never does (an assert, an
+# illegal address, instruction or program counter).
+CUDA_TRANSIENT, CUDA_BUGS = {46, 100, 214, 220}, {700, 710, 715, 716, 717, 718}
+LIKELY = "most likely a token id outside the model's vocabulary, or a label outside its classes"
 
 
 class UsageError(Exception):
@@ -54,8 +65,8 @@ def say(line, rank=None):
 
 
 def run(main, *also):
-    """``main()``, then the process group's end: one line and an exit code (2: a UsageError
-    or an ``also``; 75: ``transient``; 1: a crash; 128 + a signal)."""
+    """``main()``, then the process group's end: one line and an exit code (2: a UsageError, an
+    ``also`` or ``bug_or_bad_data``; 75: ``transient``; 1: a crash; 128 + a signal)."""
     die_with_torchrun()
     ending = None  # (line, exit code, the rank that says it, note it for torchrun?)
     try:
@@ -63,16 +74,18 @@ def run(main, *also):
     except (UsageError, *also) as error:
         node = int(os.environ.get("LOCAL_RANK", "0")) if isinstance(error, NodeError) else None
         ending = (f"error: {error}", 2, node, True)
-    except Stopped as stop:  # not a failure: no note
-        ending = (*stop.args, None, False)
+    except Stopped as stop:  # noted: the launcher keeps its exit code, and says it if no one did
+        ending = (*stop.args, None, True)
     except KeyboardInterrupt:  # before the training loop's StopSignals
         ending = ("stopped by SIGINT during start-up", 130, None, True)
     except Exception as error:
         under_torchrun = bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
-        if line := transient(error):  # each rank's: the launcher prints the first
+        if cause := transient(error):  # each rank's: the launcher prints the first
             why = "exit code 75: torchrun restarts it while MAX_RESTARTS allows"
-            line = f"error: {line}; it may pass on a retry ({why})"
-            ending = (line, RETRY_EXIT, -1 if under_torchrun else 0, True)
+            line = f"error: {cause}; it may pass on a retry ({why})"
+            ending = (line, RETRY_EXIT, -1 if under_torchrun else 0, True, cause)
+        elif line := bug_or_bad_data(error):  # each rank's: the launcher prints the first
+            ending = (f"error: {line}", 2, -1 if under_torchrun else 0, True)
         elif under_torchrun:  # for the launcher, if this rank failed first
             ending = (traceback.format_exc().rstrip(), 1, -1, True)
         else:  # plain python: its traceback, main's objects gone first
@@ -101,7 +114,9 @@ def die_with_torchrun():
 
 
 def transient(error):
-    """One line for a failure that may pass on a retry (a peer lost, an I/O error); else None."""
+    """One line for a failure that may pass on a retry, else None. By its type, never by words in
+    its text: torch.distributed's errors (gloo's carry its source file), an OSError not the user's,
+    a CUDA error of the hardware, a DataLoader's lost or stalled worker."""
     if isinstance(error, Retryable):
         return str(error)
     if isinstance(error, CheckpointException):  # DCP's: {rank: (exception, traceback)}
@@ -110,17 +125,51 @@ def transient(error):
     text = " ".join(str(error).split())[:300]
     if isinstance(error, OSError):
         return None if error.errno in USER_ERRNOS else f"{type(error).__name__}: {text}"
-    if isinstance(error, torch.cuda.OutOfMemoryError):  # the same batch runs out again
-        return None
-    words = ("gloo", "NCCL", "CUDA error", "onnection", "timed out", "Timed out", "Socket")
-    by_its_text = isinstance(error, RuntimeError) and any(word in text for word in words)
-    if isinstance(error, dist.DistError) or by_its_text:
+    if isinstance(error, ACCELERATOR_ERROR):
+        return f"the GPU failed ({text})" if _cuda_code(error) in CUDA_TRANSIENT else None
+    if isinstance(error, DIST_ERROR) or (type(error) is RuntimeError and GLOO_SOURCE.match(text)):
         return f"a collective failed ({text})"
+    if type(error) is RuntimeError and _raised_in(error, os.path.join("utils", "data", "")):
+        # the DataLoader's own: a worker that timed out or died, not what its Dataset raised
+        return f"a DataLoader worker of this rank failed ({text}): slow storage, or out of memory?"
     return None
 
 
-def _end(line, exit_code, rank, note):
-    """Say and note ``line``; exit with no shutdown, which stray threads could abort."""
+def bug_or_bad_data(error):
+    """One line for what a retry repeats, else None: a CUDA kernel's fault (a device-side assert, an
+    illegal memory access) or an IndexError, most often bad data the model indexes with."""
+    line = "a bug or bad data, which a retry repeats (not retried)"
+    if isinstance(error, ACCELERATOR_ERROR) and _cuda_code(error) in CUDA_BUGS:
+        what = str(error).strip().splitlines()[0]
+        hint = "CUDA_LAUNCH_BLOCKING=1 makes the error name the operation that raised it"
+        return f"{what}: {line}: {LIKELY}; {hint}"
+    if isinstance(error, IndexError):  # torch's (an embedding's, a loss's): data out of range
+        what = " ".join(str(error).split())[:200].rstrip(".")
+        likely = f": {LIKELY}" if _raised_in(error) else ""
+        return f"IndexError: {what}{_where(error)}: {line}{likely}"
+    return None
+
+
+def _cuda_code(error):  # cudaError_t; without one (not torch's own), CUDA's words for an assert
+    assert_words = "CUDA error: device-side assert triggered" in str(error)
+    return getattr(error, "error_code", 710 if assert_words else None)
+
+
+def _raised_in(error, package=""):  # whether the innermost frame is in torch's ``package``
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(TORCH + package)
+
+
+def _where(error):  # ", at FILE:LINE (FUNCTION)": the innermost frame outside torch
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if TORCH not in f.filename]
+    path = frames and os.path.relpath(frames[-1].filename)
+    path = frames and (frames[-1].filename if path.startswith("..") else path)
+    return f", at {path}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
+
+
+def _end(line, exit_code, rank, note, cause=None):
+    """Say and note ``line`` (and ``cause``, its short form, for the launcher's restart line); exit
+    with no shutdown, which stray threads could abort."""
     for number in STOP_SIGNALS:  # torchrun may be stopping it: all or nothing
         signal.signal(number, signal.SIG_IGN)
     said = say(line, rank)
@@ -129,6 +178,7 @@ def _end(line, exit_code, rank, note):
     if path and note:  # torchrun's format, and what the launcher reads
         info = {"message": line, "timestamp": int(time.time()), "time": time.time()}
         info |= {"said": said, "here": here, "exit_code": exit_code}
+        info["cause"] = cause or line.splitlines()[-1].removeprefix("error: ")  # a traceback's last
         with open(path + ".tmp", "w") as file:  # never half a note
             json.dump(info, file)
         os.replace(path + ".tmp", path)

@@ -3,6 +3,7 @@
 import argparse
 import math
 import os
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -195,12 +196,18 @@ def autocast(args, device):  # for the forward, CPU and GPU alike
 
 class Batches:
     """Indices to (inputs, labels) batches on ``device``: by index from a TensorDataset there,
-    else one DataLoader, forked once (3.11 can hang a fork as another loader's threads end)."""
+    else one DataLoader, forked once (3.11 can hang a fork as another loader's threads end).
+    Once the model is known (``expect``), its data is checked against it: all of a TensorDataset
+    there, at once, else the first batch drawn."""
+
+    unchecked = weakref.WeakKeyDictionary()  # in order: ``expect`` checks them
 
     def __init__(self, dataset, batch_size, device, dtype, workers=0, seed=0):
         self.dataset, self.batch_size, self.device, self.dtype = dataset, batch_size, device, dtype
         self.order = []  # the DataLoader's sampler: each call fills it
         gather = isinstance(dataset, TensorDataset) and dataset.tensors[0].device == device
+        self.expected = None  # what the model takes, for a DataLoader's first batch
+        Batches.unchecked[self] = None
         self.loader = None
         if workers or not gather:
             self.loader = DataLoader(
@@ -223,7 +230,60 @@ class Batches:
         for inputs, labels in loaded:  # floating inputs in the model's dtype
             dtype = self.dtype if inputs.is_floating_point() else None
             inputs = inputs.to(self.device, dtype, non_blocking=True)
-            yield inputs, labels.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            if self.expected:  # a DataLoader's first batch since ``expect``
+                check_data(inputs, labels, list(self.order or indices), self.expected)
+                self.expected = None
+            yield inputs, labels
+
+    @classmethod
+    def expect(cls, expected):
+        """What the model takes (``watch.flops_per_sample`` reads it off its logits): checks the
+        data of every Batches, now where it is a TensorDataset on the device (a sync a chunk)."""
+        for batches in list(cls.unchecked):
+            del cls.unchecked[batches]
+            if batches.loader is not None:  # its next batch
+                batches.expected = expected
+                continue
+            count, chunk = len(batches.dataset), 8192  # a chunk's copy: 25 MB of MNIST
+            for start in range(0, count, chunk):
+                rows = range(start, min(start + chunk, count))
+                index = torch.arange(rows.start, rows.stop, device=batches.device)
+                inputs, labels = batches.dataset[index]
+                check_data(inputs, labels, rows, expected)
+
+
+def check_data(inputs, labels, samples, expected):
+    """One line for data that does not fit the model (``watch.flops_per_sample``'s ``expected``),
+    before the first step: on a GPU a device-side assert, on a CPU an IndexError or a traceback.
+    ``samples``: the data set's index of each row, or None; ``labels``: None, for ids alone."""
+    checks = []  # (what, its tensor, how many the model has, what the model has, the fix)
+    if expected.get("embedding") and not inputs.is_floating_point():
+        name, rows = expected["embedding"]
+        has, fix = f"vocabulary of {{}} (the rows of {name})", "a vocabulary of at least {}"
+        checks.append(("token id", inputs, rows, has, fix))
+    if labels is not None and not labels.is_floating_point():  # floats: probabilities
+        targets, logits = list(labels.shape[1:]), expected["logits"]
+        same_inputs = list(inputs.shape[1:]) == expected["inputs"]  # else only the dims agree
+        if len(targets) != len(logits) - 1 or (same_inputs and targets != logits[:-1]):
+            raise UsageError(
+                f"the data's targets are {targets} a sample, and the model's logits {logits}: "
+                f"cross_entropy takes a class index per row of logits, {logits[:-1]} a sample; "
+                "make the model's output or the labels fit"
+            )
+        has, fix = "{} classes (its logits' last dimension)", "at least {} outputs"
+        checks.append(("label", labels, logits[-1], has, fix))
+    bounds = [b.long() for _, t, *_ in checks for b in (t.min(), t.max())]
+    bounds = torch.stack(bounds).tolist() if bounds else []  # one sync
+    for (what, tensor, size, has, fix), low, high in zip(checks, bounds[::2], bounds[1::2]):
+        if low < 0 or high >= size:
+            bad = low if low < 0 else high
+            row = (tensor == bad).reshape(len(tensor), -1).any(dim=1).nonzero()[0, 0].item()
+            sample = "a sample" if samples is None else f"sample {samples[row]}"
+            raise UsageError(
+                f"{sample} of the data has {what} {bad}, outside the model's {has.format(size)}: "
+                f"fix the data, or give the model {fix.format(max(bad + 1, size))}"
+            )
 
 
 @torch.no_grad()

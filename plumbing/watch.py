@@ -6,6 +6,7 @@ import os
 import resource
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
+from plumbing import training
 from plumbing.checkpoints import save_json, write_atomically
 from plumbing.failures import UsageError, is_rank_0
 
@@ -188,8 +190,18 @@ class Profiler:
 
 
 def flops_per_sample(model, inputs):
-    """FLOPs of a forward and a backward on one sample."""
+    """FLOPs of a forward and a backward on one sample. What the model takes (its classes, its
+    vocabulary) goes to ``training.Batches.expect``, which checks the data with it."""
     model.eval()  # BatchNorm takes one sample; no running statistic moves
+    expected = {"inputs": list(inputs.shape[1:])}
+
+    def ids_in(name, module, args):  # before the Embedding the inputs index: their ids fit it?
+        if "embedding" not in expected and args and args[0] is inputs:
+            expected["embedding"] = (name, module.num_embeddings)
+            training.check_data(inputs, None, None, expected)
+
+    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)]
+    hooks = [m.register_forward_pre_hook(partial(ids_in, n)) for n, m in embeddings]
     with FlopCounterMode(display=False) as counter:
         logits = model(inputs)
         if not torch.is_tensor(logits) or logits.dim() < 2:  # refused before the first step
@@ -198,8 +210,11 @@ def flops_per_sample(model, inputs):
                 "(..., classes): return only the logits (a Hugging Face model's output.logits)"
             )
         logits.sum().backward()
+    for handle in hooks:  # (an error above ends the run)
+        handle.remove()
     model.train()
     model.zero_grad(set_to_none=True)
+    training.Batches.expect(expected | {"logits": list(logits.shape[1:])})
     return counter.get_total_flops()
 
 

@@ -462,3 +462,66 @@ def test_a_warmup_longer_than_half_the_run_is_refused_and_the_default_one_is_sho
             total_steps,
             warmup_steps,
         )
+
+
+# Data that does not fit the model, as in a copy of a script with a model of its own: found before
+# the first step (token ids where the model first runs, in watch.flops_per_sample; labels and
+# targets in the data held on the device, all of it), one line, exit code 2. Unfound, a GPU meets
+# them as a device-side assert, which used to be retried as "a collective failed", and a CPU as
+# an IndexError's traceback. A case: (the line that replaces models.build's in a copy of
+# train_ddp.py, its flags, the error).
+BUILD = "    model = models.build(args, train_set, device, dtype)  # --model, for the data\n"
+MISFITS = {
+    "token-id-beyond-the-vocabulary": (
+        "    size = {**models.SIZES[args.model], 'block_size': train_set.block_size}\n"
+        "    model = models.GPT(train_set.vocab_size - 5, **size, device=device, dtype=dtype)\n",
+        ["--model", "gpt"],
+        # found in the first test sample, whose largest id is 'y' or 'z', of 65
+        ", outside the model's vocabulary of 60 (the rows of blocks.0.tokens): fix the data, or "
+        "give the model a vocabulary of at least 6",
+    ),
+    "label-outside-the-classes": (
+        "    model = models.BabyCNN(1, 5, 28, 1, device=device, dtype=dtype)\n",
+        mnist_args("{mnist}"),
+        "of the data has label 9, outside the model's 5 classes (its logits' last dimension): "
+        "fix the data, or give the model at least 10 outputs",
+    ),
+    # read through a DataLoader (not a tensor on the device): its first batch is checked
+    "label-outside-the-classes-read-by-workers": (
+        "    model = models.BabyCNN(1, 5, 28, 1, device=device, dtype=dtype)\n",
+        [*mnist_args("{mnist}"), "--workers", "1"],
+        "outside the model's 5 classes (its logits' last dimension): fix the data, or give the "
+        "model at least ",
+    ),
+    "targets-of-another-shape": (
+        "    model = models.BabyCNN(1, 10, 28, 1, device=device, dtype=dtype)\n"
+        "    model = torch.nn.Sequential(model, torch.nn.Unflatten(1, (2, 5)))\n",
+        mnist_args("{mnist}"),
+        "error: the data's targets are [] a sample, and the model's logits [2, 5]: cross_entropy "
+        "takes a class index per row of logits, [2] a sample; make the model's output or the "
+        "labels fit",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def misfits(mnist_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("misfits")
+    script = (ROOT / "train_ddp.py").read_text()
+    assert script.count(BUILD) == 1  # the line a copy replaces (README: Copy a script)
+    started = {}
+    for case, (build, flags, _) in MISFITS.items():
+        (tmp / f"{case}.py").write_text(script.replace(BUILD, build))
+        flags = [str(flag).format(mnist=mnist_dir) for flag in flags]
+        started[case] = Run(
+            ["bash", ROOT / "launch.sh", tmp / f"{case}.py", *flags, "--log-every", "1"],
+            env=launcher_env(NPROC_PER_NODE=2, MAX_RESTARTS=2),
+        )
+    return started
+
+
+@pytest.mark.parametrize("case", MISFITS)
+def test_data_that_does_not_fit_the_model_is_one_line_before_the_first_step(case, misfits):
+    run = misfits[case].wait()
+    assert_one_line_error(run, MISFITS[case][2])
+    assert "step 1/" not in run.output and "attempt" not in run.output, run.output

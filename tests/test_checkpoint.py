@@ -509,13 +509,24 @@ def test_bad_checkpoints_are_one_line_errors(uninterrupted, mnist_dir, tmp_path)
             ["--checkpoint-dir", intact, "--dataset", "synthetic"],
             "was saved with dataset mnist, this run has dataset synthetic",
         ),
+        # --keep-checkpoints 2 deleted step-20 when step-40 was saved: said so, not "damaged"
         (
             1,
             "train_ddp.py",
             ["--checkpoint-dir", intact, "--resume-from", "step-20"],
-            "--resume-from step-20 is not an intact checkpoint (checkpoint.json is unreadable: "
-            "[Errno 2] "
-            f"No such file or directory: '{intact}/step-20/checkpoint.json')",
+            f"--resume-from step-20: no such checkpoint; {intact} holds step-30, step-40: resume "
+            "from one of those (--keep-checkpoints 2 keeps the newest 2: step-20 was deleted when "
+            "newer ones were saved; raise it to keep more)",
+        ),
+        # this model's checkpoint, with SGD's state (LONG's): not "another model's"
+        (
+            1,
+            "train_ddp.py",
+            ["--checkpoint-dir", intact, "--optimizer", "adamw"],
+            f"checkpoint {intact}/step-40 holds this model with --optimizer sgd's state, and this "
+            "run has --optimizer adamw: resume with --optimizer sgd, or, to change optimizers, "
+            f"start from its weights (python -m plumbing.consolidate {intact}/step-40 weights.pt, "
+            "then --init-from weights.pt with another --checkpoint-dir)",
         ),
     ]
     runs = [

@@ -3,6 +3,7 @@ diverged run saves nothing non-finite, every stop signal torchrun passes on stop
 about a second, with a checkpoint."""
 
 import csv
+import errno
 import math
 import os
 import re
@@ -13,6 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 from conftest import (
     ROOT,
     Run,
@@ -117,6 +119,14 @@ def test_a_peer_lost_while_the_others_load_or_save_a_checkpoint_is_retried(
         run, r"/ck/step-2/.*\.distcp$" if window == "load" else r"/ck/\.tmp-step-4/"
     )
     succeeded(run)
+    # the restart says why, from the failed attempt: which rank, what, attempt k of n
+    restart = re.search(
+        r"^attempt 1 of 2 failed: rank 1 \(pid \d+\) on \S+ was killed by SIGKILL; torchrun "
+        r"restarts the workers \(attempt 2 of 2\)$",
+        run.output,
+        re.MULTILINE,
+    )
+    assert restart and run.output.count("attempt 1 of 2 failed") == 1, run.output
     assert "(torchrun restart 1)" not in run.output or "error:" not in run.output, run.output
     assert "damaged" not in run.output and "fix that" not in run.output, run.output
     resumed = [line for line in run.output.splitlines() if "resumed from" in line]
@@ -315,3 +325,111 @@ def test_a_damaged_checkpoint_set_aside_never_takes_a_name_in_use(tmp_path):
         tmp_path / "damaged-step-4-3"
     )
     assert checkpoints._unused(str(tmp_path / "damaged-step-8")) == str(tmp_path / "damaged-step-8")
+
+
+def accelerator_error(text, code=None):
+    """A CUDA error as torch raises it (torch.AcceleratorError, from 2.8) with CUDA's own words:
+    what a device-side assert or a lost GPU raises on a GPU, made here on any machine."""
+    error = torch.AcceleratorError(
+        f"CUDA error: {text}\nCUDA kernel errors might be asynchronously"
+    )
+    if code is not None:
+        error.error_code = code  # as torch sets it: CUDA's cudaError_t
+    return error
+
+
+def raised(work):
+    try:
+        work()
+    except Exception as error:
+        return error
+    raise AssertionError("nothing raised")
+
+
+class SlowSample(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        time.sleep(1.5)  # past the DataLoader's timeout below; then the worker ends cleanly
+
+
+# Each class of failure: (the error, exit code 75's line or 2's, or None for neither: a crash's
+# traceback, exit 1). Retried by its type, never by words in its text.
+KINDS = {
+    "dist-network-error": (lambda: torch.distributed.DistNetworkError("Broken pipe"), 75),
+    "dist-store-error": (lambda: torch.distributed.DistStoreError("wait timeout after 600s"), 75),
+    "dist-backend-error": (lambda: torch.distributed.DistBackendError("NCCL error: remote"), 75),
+    # gloo raises plain RuntimeErrors, marked by its source file (a peer lost, test_launch.py)
+    "gloo": (
+        lambda: RuntimeError(
+            "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
+            "waiting 2000ms for recv operation to complete"
+        ),
+        75,
+    ),
+    "io-error": (lambda: OSError(errno.EIO, "Input/output error"), 75),
+    "full-disk": (lambda: OSError(errno.ENOSPC, "No space left on device"), None),
+    "ecc": (lambda: accelerator_error("uncorrectable ECC error encountered", 214), 75),
+    "lost-gpu": (lambda: accelerator_error("no CUDA-capable device is detected", 100), 75),
+    # the issue's own: torch 2.8's AcceleratorError with CUDA's words, and with its error code
+    "device-side-assert": (lambda: accelerator_error("device-side assert triggered"), 2),
+    "device-side-assert-code": (lambda: accelerator_error("device-side assert triggered", 710), 2),
+    "illegal-memory-access": (
+        lambda: accelerator_error("an illegal memory access was encountered", 700),
+        2,
+    ),
+    # on a CPU, the same bad token id: IndexError
+    "index-error": (lambda: raised(lambda: torch.nn.Embedding(65, 4)(torch.tensor([70]))), 2),
+    # an index of the user's own code: a bug, with no guess at data
+    "list-index": (lambda: raised(lambda: [][1]), 2),
+    "label-out-of-range": (
+        lambda: raised(lambda: F.cross_entropy(torch.zeros(2, 10), torch.tensor([3, 12]))),
+        2,
+    ),
+    # words that used to mean "a collective failed", in errors that are not one
+    "words-alone": (lambda: RuntimeError("the NCCL Socket timed out: Connection gloo"), None),
+    "out-of-memory": (lambda: torch.OutOfMemoryError("CUDA out of memory"), None),
+    # the DataLoader's own: a worker that timed out
+    "dataloader-timeout": (
+        lambda: raised(
+            lambda: next(
+                iter(torch.utils.data.DataLoader(SlowSample(), num_workers=1, timeout=0.5))
+            )
+        ),
+        75,
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failure_is_retried_by_its_type_never_by_its_text(kind):
+    make, exit_code = KINDS[kind]
+    error = make()
+    retry, bug = failures.transient(error), failures.bug_or_bad_data(error)
+    assert (retry is not None, bug is not None) == (exit_code == 75, exit_code == 2), (retry, bug)
+    if kind == "list-index":
+        assert bug.startswith("IndexError: list index out of range, at tests/test_faults.py:")
+        assert bug.endswith(" (<lambda>): a bug or bad data, which a retry repeats (not retried)")
+    elif exit_code == 2:
+        assert bug.endswith(
+            ": a bug or bad data, which a retry repeats (not retried): most likely a token id "
+            "outside the model's vocabulary, or a label outside its classes"
+            + ("; CUDA_LAUNCH_BLOCKING=1 makes the error name the operation that raised it")
+            * kind.startswith(("device", "illegal"))
+        ), bug
+    if kind == "device-side-assert":  # one line, CUDA's first
+        assert bug.startswith("CUDA error: device-side assert triggered: a bug or bad data"), bug
+    if kind == "index-error":  # where, in the caller's code: this file
+        assert bug.startswith("IndexError: index out of range in self, at tests/test_faults.py:"), (
+            bug
+        )
+    if kind == "dataloader-timeout":
+        assert retry == (
+            "a DataLoader worker of this rank failed (DataLoader timed out after 0.5 seconds): "
+            "slow storage, or out of memory?"
+        )
+    elif retry and kind.startswith(("dist", "gloo")):
+        assert retry.startswith("a collective failed ("), retry
+    elif retry and kind in ("ecc", "lost-gpu"):
+        assert retry.startswith("the GPU failed (CUDA error: "), retry

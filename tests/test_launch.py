@@ -1,6 +1,7 @@
 """launch.sh (behind every run_*.sh): how many processes it starts, and what it refuses."""
 
 import os
+import re
 import signal
 import socket
 import time
@@ -248,7 +249,7 @@ def test_more_processes_than_cores_is_a_one_line_warning():
 # (launch.sh's torchrun), never torchrun's ChildFailedError traceback. A worker that fails on
 # purpose is a few lines calling the real failures.run, as a training script does; the killed and
 # the stuck ones are train_ddp.py.
-WORKER = """import sys, time
+WORKER = """import os, signal, sys, time
 import torch, torch.distributed as dist
 from plumbing import failures
 
@@ -281,6 +282,22 @@ ENDINGS = {  # rank 1's line, and what the launch must print after its command l
         ["error: rank 1 found a bad input"],
         2,
     ),
+    # a CPU's bad token id (a GPU's is a device-side assert): a bug or bad data, not retried
+    "index-error": (
+        "torch.nn.Embedding(65, 4)(torch.tensor([70]))",
+        [
+            "error: IndexError: index out of range in self, at {path}:8 (main): a bug or bad data, "
+            "which a retry repeats (not retried): most likely a token id outside the model's "
+            "vocabulary, or a label outside its classes"
+        ],
+        2,
+    ),
+    # a signal with no handler: the launch keeps its exit code, 128 + 15
+    "killed-by-sigterm": (
+        "os.kill(os.getpid(), signal.SIGTERM)",
+        ["error: rank 1 (pid {pid}) on {host} was killed by SIGTERM"],
+        143,
+    ),
 }
 
 
@@ -293,12 +310,47 @@ def test_a_failing_worker_is_said_once_in_its_own_words(case, tmp_path):
     ).wait(timeout=90)
     lines = our_lines(run.output)
     pid = lines[-1].split("(pid ")[1].split(")")[0] if "(pid " in lines[-1] else "?"
-    said = [line.format(pid=pid, host=socket.gethostname()) for line in expected]
+    host, path = socket.gethostname(), tmp_path / "worker.py"
+    said = [line.format(pid=pid, host=host, path=path) for line in expected]
     assert run.returncode == exit_code and lines[-1] == said[-1], run.output
     assert [line for line in lines if line in said] == said, run.output  # each once, in order
     # rank 0's: left out
     assert "ChildFailedError" not in run.output and "Connection" not in run.output, run.output
     assert len(lines) < 12, run.output
+
+
+RETRIED = """import os
+import torch.distributed as dist
+from plumbing import failures
+
+def main():
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        raise OSError(5, "Input/output error")  # a passing fault: exit code 75
+    dist.barrier()
+    print(f"rank {dist.get_rank()} done", flush=True)
+
+failures.run(main)
+"""
+
+
+def test_a_restart_says_why_from_the_failed_attempts_note(tmp_path):
+    """Rank 1's I/O error on the first attempt: torchrun restarts (MAX_RESTARTS=2), and one line
+    before it names the rank, its failure (its note's) and the attempts; the second passes."""
+    (tmp_path / "worker.py").write_text(RETRIED)
+    run = Run(
+        ["bash", ROOT / "launch.sh", tmp_path / "worker.py"],
+        env=launcher_env(NPROC_PER_NODE=2, MAX_RESTARTS=2),
+    ).wait(timeout=120)
+    restart = re.search(
+        r"^attempt 1 of 3 failed: rank 1 \(pid \d+\) on \S+: OSError: \[Errno 5\] Input/output "
+        r"error; torchrun restarts the workers \(attempt 2 of 3\)$",
+        run.output,
+        re.MULTILINE,
+    )
+    assert run.returncode == 0 and restart, run.output
+    assert "rank 0 done" in run.output and "rank 1 done" in run.output, run.output
+    assert "attempt 2 of 3 failed" not in run.output and "Traceback" not in run.output
 
 
 def test_a_killed_rank_is_one_line(mnist_dir):
@@ -312,11 +364,48 @@ def test_a_killed_rank_is_one_line(mnist_dir):
     run.wait(timeout=60)
     last = run.output.splitlines()[-1]
     assert (
-        run.returncode == 1
+        run.returncode == 128 + signal.SIGKILL
         and last.startswith("error: rank 1 (pid ")
         and last.endswith("was killed by SIGKILL: out of memory? the kernel's log (dmesg) says")
     ), run.output
     assert "Traceback" not in run.output and "[rank" not in run.output, run.output
+
+
+def test_a_stop_signal_to_one_worker_alone_stops_every_rank_and_keeps_its_exit_code(
+    mnist_dir, tmp_path
+):
+    """SIGTERM to rank 1 alone (a per-process watchdog, a kill by hand), not to the launcher: both
+    ranks stop at one step with a checkpoint, and the launch ends with rank 1's 143 and rank 0's one
+    line. The old launcher took torch's placeholder error data for a note: a stray <NONE> line,
+    "failed with exit code 143: its traceback is above" with none above, and exit code 1."""
+    run = Run(
+        [
+            "bash",
+            ROOT / "run_ddp.sh",
+            *mnist_args(mnist_dir),
+            "--epochs",
+            "50",
+            "--log-every",
+            "1000",
+            "--checkpoint-dir",
+            tmp_path / "ck",
+        ],
+        env=launcher_env(NPROC_PER_NODE=2),
+    )
+    run.wait_for_text("DDP on 2 rank(s)")
+    os.kill(worker_pids(run.process.pid)[1], signal.SIGTERM)
+    run.wait(timeout=90)
+    lines = our_lines(run.output)
+    stop = re.fullmatch(
+        rf"stopped by SIGTERM at step (\d+) of \d+: checkpoint step-(\d+) is in {tmp_path}/ck; "
+        "the same command resumes there",
+        lines[-1],
+    )
+    assert run.returncode == 143 and stop and stop.group(1) == stop.group(2), run.output
+    assert (tmp_path / "ck" / f"step-{stop.group(1)}" / "checkpoint.json").exists()
+    assert "<NONE>" not in run.output and "error" not in run.output, run.output
+    # the start line, the stop's step line, the stop line
+    assert len([line for line in lines if not line.startswith("step ")]) == 2, run.output
 
 
 @pytest.mark.parametrize("signals", [1, 2])
