@@ -15,8 +15,8 @@ What pipeline parallelism changes compared with train_ddp.py:
   wrap   a PipelineStage per local stage; a schedule (GPipe, 1F1B, ...) runs the
          microbatches through all of them
   loop   schedule.step(): the first stage feeds inputs, the last computes the loss
-         (the one logged); with D > 1, one all-reduce averages each stage's
-         gradients over its replicas after the last micro-step (as DDP would)
+         (the one logged); then all-reduces sum a tied weight's copies on two stages
+         and, with D > 1, average each stage's gradients over its replicas (as DDP)
   save   rank 0 gathers every stage's weights and writes one plain state dict
 Every collective is called here, or in a call marked "collective".
 """
