@@ -61,8 +61,8 @@ def main():
     # ---- model: the same initial weights on every rank, from the seed ----
     torch.manual_seed(args.seed)
     model = models.build(args, train_set, device, dtype)  # --model, for the data
-    if args.init_from:
-        checkpoints.init_from(model, args.init_from, log)  # collective
+    if init_from := training.opt_in(args, "init_from"):  # plumbing/init_from.py
+        init_from.load(model, args.init_from, log)  # collective
     param_count = sum(p.numel() for p in model.parameters())
     flops = watch.flops_per_sample(model, next(test_batches([0]))[0])
     keep_grads = compile_model(model, args, device)  # --compile
@@ -78,8 +78,7 @@ def main():
     log(f"{what} ({backend}, {device.type}): {watch.describe(args, plan, param_count, flops)}")
 
     # ---- train loop ----
-    progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
-    profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
+    progress = watch.Progress(plan, args, device, resumed["step"])  # --log-dir, --profile-steps
     window = []  # micro-step losses since the last log, on the device
     stop = failures.StopSignals(resumed["step"])  # records signals as they come
     norm = None  # the gradients' norm (--max-grad-norm)
@@ -118,7 +117,6 @@ def main():
                 checkpointer.refuse_divergence(progress.step, mean_loss)
                 progress.record_loss(mean_loss, "loss (all ranks)", lr, norm)
                 window.clear()
-            profiler.after_step(progress.step)  # --profile-steps
             if checkpointer.is_due(progress.step, now=stop_signal):
                 for buffer in model.buffers():  # rank 0's statistics are saved
                     dist.broadcast(buffer, src=0)
@@ -139,10 +137,10 @@ def main():
         log(f"saved the weights to {args.save}")
     if hasattr(train_set, "write") and failures.is_rank_0():  # text: a sample
         log(train_set.write(model.state_dict()))  # a replica is the whole model
-    if args.metrics:
+    if metrics := training.opt_in(args, "metrics"):  # plumbing/metrics.py
         run = {"strategy": "ddp"}
         # collective: rank 0 gathers each rank's memory
-        watch.write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run)
+        metrics.write(args, plan, progress, model, optimizer, flops, param_count, **run)
 
 
 def compile_model(model, args, device):

@@ -73,8 +73,8 @@ def main():
     # fully_shard keeps a shard of each (too big for a device: docs/fsdp.md)
     torch.manual_seed(args.seed)
     model = models.build(args, train_set, device, dtype)  # --model, for the data
-    if args.init_from:
-        checkpoints.init_from(model, args.init_from, log)  # collective
+    if init_from := training.opt_in(args, "init_from"):  # plumbing/init_from.py
+        init_from.load(model, args.init_from, log)  # collective
     param_count = sum(p.numel() for p in model.parameters())
     flops = watch.flops_per_sample(model, next(test_batches([0]))[0])
 
@@ -90,8 +90,7 @@ def main():
     log(f"{what} on {world_size} rank(s) ({backend}, {device.type}): {figures}")
 
     # ---- train loop ----
-    progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
-    profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
+    progress = watch.Progress(plan, args, device, resumed["step"])  # --log-dir, --profile-steps
     window = []  # micro-step losses since the last log, on the device
     stop = failures.StopSignals(resumed["step"])  # records signals as they come
     norm = None  # the gradients' norm (--max-grad-norm)
@@ -130,7 +129,6 @@ def main():
                 checkpointer.refuse_divergence(progress.step, mean_loss)
                 progress.record_loss(mean_loss, "loss (all ranks)", lr, norm)
                 window.clear()
-            profiler.after_step(progress.step)  # --profile-steps
             if checkpointer.is_due(progress.step, now=stop_signal):
                 for buffer in model.buffers():  # rank 0's statistics are saved
                     dist.broadcast(buffer, src=0)
@@ -152,11 +150,11 @@ def main():
         log(f"saved the weights to {args.save}")
     if hasattr(train_set, "write"):  # text: rank 0 prints a sample
         log(train_set.write(gather_full_state_dict(model)))  # collective
-    if args.metrics:
+    if metrics := training.opt_in(args, "metrics"):  # plumbing/metrics.py
         run = {"strategy": "fsdp", "sharding": args.sharding, "mesh": list(mesh.shape)}
         run |= {"activation_checkpointing": args.activation_checkpointing}
         # collective: rank 0 gathers each rank's memory
-        watch.write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run)
+        metrics.write(args, plan, progress, model, optimizer, flops, param_count, **run)
     # Let go of the mesh, which torch 2.14's DTensor caches keep (private; not in 2.9):
     # else gloo's threads live into shutdown, where they may abort.
     getattr(mesh, "_pg_registry", {}).clear()
@@ -224,11 +222,10 @@ def make_mesh(args, device, world_size):
 
 
 def shard(model, args, mesh):
-    """fully_shard each unit (an all-gather each), then the root; the units in words."""
+    """Each unit checkpointed (--activation-checkpointing), compiled (--compile) and sharded
+    (an all-gather each), then the root; the units in words."""
     units, words = shard_units(model)  # [(parent, name)]: BabyCNN's 4 blocks
-    if args.compile:  # in place: class and names stay (as in torchtitan)
-        for parent, name in units:
-            getattr(parent, name).compile()
+    if args.compile:
         log("--compile: each block, without CUDA graphs (FSDP frees and re-gathers weights)")
     mp_policy = MixedPrecisionPolicy()
     if args.precision == "bf16":  # reduce and return logits in fp32
@@ -245,6 +242,10 @@ def shard(model, args, mesh):
             # it gathers anyway. The wrapper's state-dict hooks keep parameter names.
             block = checkpoint_wrapper(block)
             setattr(parent, name, block)
+        # Checkpointing, compile, fully_shard: torchtitan's order. The compiled graph holds the
+        # recomputation, and FSDP's gathers stay hooks around it. In place: names stay.
+        if args.compile:
+            block.compile()
         # Backward starts with the last block: resharding it would only regather.
         last = index == len(units) - 1
         fully_shard(block, reshard_after_forward=reshard and not last, **options)

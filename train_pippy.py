@@ -72,7 +72,7 @@ def main():
     found = data.find(args.dataset, args.data_dir, download=not args.no_download, model=args.model)
     backend = dist.get_default_backend_for_device(device)  # NCCL or gloo
     dist.init_process_group(backend, **failures.process_group_options(device))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    world_size = dist.get_world_size()
     dtype, autocast = training.dtype_of(args), training.autocast(args, device)
     check_flags(args, world_size)
     mesh = make_mesh(args, device, world_size)  # (pp, dp)
@@ -94,8 +94,8 @@ def main():
     # A rank keeps its stages' blocks (too big for a device: docs/pipeline.md)
     torch.manual_seed(args.seed)
     model = models.build(args, train_set, device, dtype)  # --model, for the data
-    if args.init_from:
-        checkpoints.init_from(model, args.init_from, log)  # collective
+    if init_from := training.opt_in(args, "init_from"):  # plumbing/init_from.py
+        init_from.load(model, args.init_from, log)  # collective
     param_count = sum(p.numel() for p in model.parameters())
     flops = watch.flops_per_sample(model, next(test_batches([0]))[0])
 
@@ -113,8 +113,7 @@ def main():
     log(f"{what} on {world_size} rank(s) ({backend}, {device.type}): {figures}")
 
     # ---- train loop ----
-    progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
-    profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
+    progress = watch.Progress(plan, args, device, resumed["step"])  # --log-dir, --profile-steps
     window = []  # micro-step losses since the last log, on the device
     stop = failures.StopSignals(resumed["step"])  # records signals as they come
     norm = None  # the gradients' norm (--max-grad-norm)
@@ -151,7 +150,6 @@ def main():
                 checkpointer.refuse_divergence(progress.step, mean_loss)
                 progress.record_loss(mean_loss, "loss (last stage)", lr, norm)
                 window.clear()
-            profiler.after_step(progress.step)  # --profile-steps
             if checkpointer.is_due(progress.step, now=stop_signal):
                 for buffer in model.buffers():  # replica 0's statistics are saved
                     dist.broadcast(buffer, group=mesh.get_group("dp"), group_src=0)
@@ -173,13 +171,13 @@ def main():
         log(f"saved the weights to {args.save}")
     if hasattr(train_set, "write"):  # text: rank 0 prints a sample
         log(train_set.write(gather_state_dict(model, mesh, tied)))  # collective
-    if args.metrics:
+    if metrics := training.opt_in(args, "metrics"):  # plumbing/metrics.py
         run = {"strategy": "pipeline", "schedule": args.schedule, "stages": len(stage_blocks)}
         run |= {"microbatches": args.microbatches, "data_parallel": args.data_parallel}
         here = [stage.stage_index for stage in stages]  # this rank's stages
         run["rank_info"] = {"stages": here, "blocks": [stage_blocks[i] for i in here]}
         # collective: rank 0 gathers each rank's memory
-        watch.write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run)
+        metrics.write(args, plan, progress, model, optimizer, flops, param_count, **run)
 
 
 def evaluate(model, schedule, stages, test_batches, mesh):

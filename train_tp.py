@@ -67,7 +67,7 @@ def main():
     found = data.find(args.dataset, args.data_dir, download=not args.no_download, model=args.model)
     backend = dist.get_default_backend_for_device(device)  # NCCL or gloo
     dist.init_process_group(backend, **failures.process_group_options(device))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    world_size = dist.get_world_size()
     dtype = training.dtype_of(args)  # bf16: MixedPrecisionPolicy
     check_flags(args, world_size)
     mesh = make_mesh(args, device, world_size)  # (dp, tp)
@@ -88,8 +88,8 @@ def main():
     # parallelize() keeps a part of each (too big for a device: docs/fsdp.md)
     torch.manual_seed(args.seed)
     model = models.build(args, train_set, device, dtype)  # --model, for the data
-    if args.init_from:
-        checkpoints.init_from(model, args.init_from, log)  # collective
+    if init_from := training.opt_in(args, "init_from"):  # plumbing/init_from.py
+        init_from.load(model, args.init_from, log)  # collective
     param_count = sum(p.numel() for p in model.parameters())
     flops = watch.flops_per_sample(model, next(test_batches([0]))[0])
 
@@ -104,8 +104,7 @@ def main():
     log(f"{what} ({backend}, {device.type}): {figures}")
 
     # ---- train loop ----
-    progress = watch.Progress(plan, args.log_every, device, resumed["step"], args.log_dir)
-    profiler = watch.Profiler(args, rank, device, resumed["step"], plan.total_steps)
+    progress = watch.Progress(plan, args, device, resumed["step"])  # --log-dir, --profile-steps
     window = []  # micro-step losses since the last log, on the device
     stop = failures.StopSignals(resumed["step"])  # records signals as they come
     norm = None  # the gradients' norm (--max-grad-norm)
@@ -145,7 +144,6 @@ def main():
                 checkpointer.refuse_divergence(progress.step, mean_loss)
                 progress.record_loss(mean_loss, "loss (all ranks)", lr, norm)
                 window.clear()
-            profiler.after_step(progress.step)  # --profile-steps
             if checkpointer.is_due(progress.step, now=stop_signal):
                 for buffer in model.buffers():  # rank 0's statistics are saved
                     dist.broadcast(buffer, src=0)
@@ -167,10 +165,10 @@ def main():
         log(f"saved the weights to {args.save}")
     if hasattr(train_set, "write"):  # text: rank 0 prints a sample
         log(train_set.write(gather_full_state_dict(model)))  # collective
-    if args.metrics:
+    if metrics := training.opt_in(args, "metrics"):  # plumbing/metrics.py
         run = {"strategy": "tp", "tp": args.tp, "mesh": list(mesh.shape)}
         # collective: rank 0 gathers each rank's memory
-        watch.write_metrics(args, plan, progress, model, optimizer, flops, param_count, **run)
+        metrics.write(args, plan, progress, model, optimizer, flops, param_count, **run)
     # Let go of the mesh, which torch 2.14's DTensor caches keep (private; not in 2.9):
     # else gloo's threads live into shutdown, where they may abort.
     getattr(mesh, "_pg_registry", {}).clear()

@@ -2,7 +2,7 @@
 
     python benchmarks/checkpoint_time.py --width 16 --checkpoint-dir logs/ck_time
 
-One process, a process group of one. The save is plumbing/checkpoints.py's Checkpointer.save, as
+One process, a process group of one. The save is plumbing/checkpoint_dir.py's Checkpoints.save, as
 every script calls it: DCP writes the weights and AdamW's two moments into .tmp-step-<N>, rank 0
 reads every file back for its SHA-256, writes checkpoint.json and renames the directory. A save is
 timed --repeats times after one untimed (the first pays for imports and file creation); the median
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import BabyCNN  # noqa: E402
-from plumbing import checkpoints  # noqa: E402
+from plumbing import checkpoint_dir  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--width", type=int, default=16, help="BabyCNN's --width")
@@ -42,7 +42,7 @@ try:
     os.makedirs(args.checkpoint_dir, exist_ok=True)
     plan = argparse.Namespace(dataset_name="synthetic", global_batch_size=64, peak_lr=3e-3)
     plan.total_steps = args.repeats + 1
-    checkpointer = checkpoints.Checkpointer(options, plan, torch.device("cpu"))
+    checkpointer = checkpoint_dir.Checkpoints(options, plan, torch.device("cpu"))
     seconds = []
     for step in range(args.repeats + 1):
         began = time.perf_counter()

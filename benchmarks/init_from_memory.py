@@ -1,5 +1,5 @@
 """What --init-from holds in each rank's memory: the resident set of each rank before and after
-checkpoints.init_from (rank 0 reads the file, the others receive each weight by broadcast), beside
+init_from.load (rank 0 reads the file, the others receive each weight by broadcast), beside
 every rank reading the file itself: the highest resident set while the weights load, over the one
 before. BabyCNN at --width 16 (7.2 M parameters, a 29 MB file). Prints a JSON line.
 
@@ -30,7 +30,7 @@ def worker(path, width, out, way):  # one way a launch: memory the other freed w
     import torch.distributed as dist
 
     from models import BabyCNN
-    from plumbing import checkpoints
+    from plumbing import init_from
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -45,7 +45,7 @@ def worker(path, width, out, way):  # one way a launch: memory the other freed w
     watcher = threading.Thread(target=watch)
     watcher.start()
     if way == "broadcast from rank 0":
-        checkpoints.init_from(model, path, print)
+        init_from.load(model, path, print)
     else:
         model.load_state_dict(torch.load(path, weights_only=True))
     done.set()

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
 
 from models import GPT, BabyCNN  # noqa: E402
-from plumbing import watch  # noqa: E402
+from plumbing import metrics  # noqa: E402
 from train_tp import parallelize  # noqa: E402
 
 NAMES = {
@@ -117,7 +117,7 @@ def main():
 
         step()  # the first step also sets FSDP up
         forward, backward = step()
-        state = watch.memory(model, optimizer, torch.device("cpu"))["state_bytes"]
+        state = metrics.memory(model, optimizer, torch.device("cpu"))["state_bytes"]
         predicted_forward, predicted_backward = predict(args.model, dp, args.tp)
         # AdamW in fp32: a parameter's 4 bytes of weight, 4 of gradient and 8 of moments, plus the
         # step counters

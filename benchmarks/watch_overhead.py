@@ -110,9 +110,9 @@ def host_cost(watched, steps=20_000, log_every=20):
     try:
         with tempfile.TemporaryDirectory() as directory:
             plan = types.SimpleNamespace(total_steps=steps, global_batch_size=128)
-            progress = watch.Progress(
-                plan, log_every, torch.device("cpu"), 0, directory if watched else None
-            )
+            flags = dict(log_every=log_every, log_dir=directory if watched else None)
+            flags = types.SimpleNamespace(**flags, profile_steps=None)
+            progress = watch.Progress(plan, flags, torch.device("cpu"))
             progress.start_epoch(0)
             start = time.perf_counter()
             for step in range(steps):

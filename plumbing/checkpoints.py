@@ -1,7 +1,8 @@
-"""Checkpoints and files: DCP checkpoints, --init-from, whole-file writes."""
+"""Outputs and files: --save, whole-file writes, the outputs checked before training, and the
+Checkpointer every script calls (its checkpoints: plumbing/checkpoint_dir.py)."""
 
 import errno
-import hashlib
+import importlib
 import json
 import math
 import os
@@ -10,14 +11,8 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.utils._pytree import tree_leaves
 
-from plumbing.failures import USER_ERRNOS, Retryable, UsageError, on_rank_0, transient
-
-FORMAT = 4  # of checkpoint.json: 4 holds the peak lr
+from plumbing.failures import UsageError, on_rank_0
 
 
 def write_atomically(path, write, size=0):
@@ -72,175 +67,38 @@ def save_json(value, path):
     write_atomically(path, lambda file: file.write((json.dumps(value, indent=2) + "\n").encode()))
 
 
-def init_from(model, path, log):
-    """Collective: ``path``'s weights (torch.save's or .safetensors) into ``model``, unwrapped
-    and uncut; rank 0 reads, checks and broadcasts them: a node holds them once."""
-    expected = model.state_dict()
-
-    def read():  # on rank 0
-        if not os.path.isfile(path):
-            raise UsageError(f"--init-from {path}: no such file")
-        try:
-            if path.endswith(".safetensors"):
-                from safetensors.torch import load_file  # optional
-
-                weights = load_file(path)
-            else:  # weights_only: no pickled code runs
-                weights = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except ImportError:
-            why = "reading .safetensors needs pip install safetensors"
-            raise UsageError(f"--init-from {path}: {why}") from None
-        except Exception as error:  # the errors vary
-            why = " ".join(str(error).split())[:200]
-            raise UsageError(f"--init-from {path} is not a file of weights ({why})") from None
-        if not isinstance(weights, dict) or not all(map(torch.is_tensor, weights.values())):
-            raise UsageError(f"--init-from {path} holds no state dict of tensors")
-        misfit = f"--init-from {path} does not fit this model"
-        for name, tensor in expected.items():
-            if name not in weights:
-                raise UsageError(f"{misfit}: it has no {name}")
-            if weights[name].shape != tensor.shape:
-                there, here = list(weights[name].shape), list(tensor.shape)
-                raise UsageError(f"{misfit}: {name} is {there} there, {here} here")
-        if extra := sorted(set(weights) - set(expected)):
-            raise UsageError(f"{misfit}: it has {extra[0]}, which this model lacks")
-        return weights
-
-    weights = on_rank_0(read, f"reading --init-from {path}", share=False)  # None elsewhere
-    with torch.no_grad():
-        for name, tensor in expected.items():
-            if weights is not None:
-                tensor.copy_(weights[name])
-            dist.broadcast(tensor, src=0)
-    log(f"initialised the model from {path}; the optimizer and the lr schedule start afresh")
-
-
-def _renamed(optimizer_state, aliases):
-    """The optimizer's states by name, a tied weight's under its first name in the whole model
-    (a pipeline's last stage holds the head's copy of the embedding): one state in the file,
-    which any strategy resumes."""
-    return {aliases.get(name, name): state for name, state in optimizer_state.items()}
-
-
-def _local(state):  # its tensors; of a DTensor, this rank's part
-    return [getattr(t, "_local_tensor", t) for t in tree_leaves(state) if torch.is_tensor(t)]
-
-
-def _first_cause(error):  # DCP's failures: {rank: (exception, traceback)}
-    return next(iter(getattr(error, "failures", {}).values()), [error])[0]
-
-
 class Checkpointer:
-    """step-<N> in --checkpoint-dir, seen by all ranks: DCP's files, by name (any strategy
-    resumes any other's), and checkpoint.json with their SHA-256s."""
+    """What every run does about checkpoints: checks its outputs, seeds each rank, refuses a loss
+    that is not finite. With --checkpoint-dir (or --resume-from) it saves and resumes too, by
+    plumbing/checkpoint_dir.py, imported only then."""
 
     def __init__(self, args, plan, device):
-        self.args, self.directory, self.device = args, args.checkpoint_dir, device
-        self.peak_lr, self.total_steps = plan.peak_lr, plan.total_steps
-        self.layout = {"dataset": plan.dataset_name, "world_size": dist.get_world_size()}
-        self.layout |= {"global_batch_size": plan.global_batch_size, "device": device.type}
-        self.layout["optimizer"] = getattr(args, "optimizer", None)  # its state must be the same
-        self.branch = None  # rank 0's: the --resume-from it descends from
-        self.aliases = {}  # resume's
+        self.args = args
+        wanted = args.checkpoint_dir or args.resume_from  # an opt-in module (training.OPT_IN)
+        module = wanted and importlib.import_module("plumbing.checkpoint_dir")
+        self.checkpoints = module.Checkpoints(args, plan, device) if module else None
 
     def is_due(self, step, now):
         """Each --checkpoint-every, a stop, and the end: then a requeue has nothing to do."""
-        every, last = self.args.checkpoint_every, self.total_steps
-        return bool(self.directory) and (now or step % every == 0 or step == last)
+        return bool(self.checkpoints) and self.checkpoints.is_due(step, now)
 
     def save(self, step, epoch, steps_into_epoch, model, optimizer, losses):
-        """Collective: save step-<N> if all weights, states and ``losses`` are finite:
-        each rank writes .tmp-step-<N>; rank 0 adds checkpoint.json, renames it."""
-        final = os.path.join(self.directory, f"step-{step}")
-        temporary = os.path.join(self.directory, f".tmp-step-{step}")
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        rng = {f"rank{dist.get_rank()}": self._random_states()}
-        optimizer_tensors = _renamed(optimizer_state["state"], self.aliases)
-        state = {"model": model_state, "optimizer": optimizer_tensors, "rng": rng}
-        checked = [t for t in _local(state) if t.is_floating_point()] + list(losses)
-        finite = torch.stack([t.isfinite().all().to(self.device) for t in checked]).all()
-        finite = finite.to(torch.int32)  # one sync for them all
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        if not finite:
-            raise self.diverged(step, "a weight, an optimizer state or the loss is not finite")
-        try:
-            dcp.save(state, checkpoint_id=temporary)  # one rank fails: all raise
-        except (OSError, RuntimeError, CheckpointException) as error:
-            raise self._not_written(step, temporary, error, state) from None
+        """Collective: step-<N> (checkpoint_dir.Checkpoints.save)."""
+        self.checkpoints.save(step, epoch, steps_into_epoch, model, optimizer, losses)
 
-        def finish():  # rank 0, once every rank's files are written
-            try:
-                names = sorted(os.listdir(temporary))
-                files = {name: _fingerprint(os.path.join(temporary, name)) for name in names}
-                done = steps_into_epoch * self.layout["global_batch_size"]
-                info = {"format": FORMAT, "layout": self.layout, "step": step, "epoch": epoch}
-                info |= {"samples_into_epoch": done, "peak_lr": self.peak_lr}
-                info |= {"branch": self.branch, "files": files}
-                save_json(info, os.path.join(temporary, "checkpoint.json"))
-                shutil.rmtree(final, ignore_errors=True)  # a rerun saved it before
-                os.replace(temporary, final)
-            except (OSError, UsageError) as error:
-                raise self._not_written(step, temporary, error, state) from None
-            self._remove_strays()
-            for old in self._list_complete()[: -self.args.keep_checkpoints]:
-                shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
-
-        on_rank_0(finish, f"finishing checkpoint step-{step}")  # all wait for it
-
-    def _not_written(self, step, temporary, error, state):
-        """A UsageError (the disk, its permissions), or else a Retryable."""
-        cause = _first_cause(error)
-        why = cannot_write(temporary, cause, sum(t.nbytes for t in _local(state)))
-        shutil.rmtree(temporary, ignore_errors=True)
-        os_error = cause if isinstance(cause, OSError) else cause.__context__  # 2.9 hides it
-        user = isinstance(os_error, OSError) and os_error.errno in USER_ERRNOS
-        line = f"checkpoint step-{step} was not written to {self.directory} ({why})"
-        if isinstance(error, UsageError) or why.startswith("the disk is full") or user:
-            return UsageError(
-                f"{line}: the ones saved before it are intact; "
-                "fix that, and the same command resumes from them"
-            )
-        return Retryable(f"{line}; the ones saved before it are intact")
+    def resume(self, model, optimizer, log, aliases=None):
+        """Collective with --checkpoint-dir: where to go on, from the newest intact checkpoint, if
+        any (checkpoint_dir.Checkpoints.resume). Each rank's own seed first: dropout draws its own
+        masks on each rank, as nanoGPT's seed + rank; a checkpoint's random states replace it."""
+        torch.manual_seed(self.args.seed + dist.get_rank())  # the model was built from seed
+        if not self.checkpoints:
+            return {"step": 0, "epoch": 0, "samples_into_epoch": 0}
+        return self.checkpoints.resume(model, optimizer, log, aliases)
 
     def refuse_divergence(self, step, loss):
         """Raise ``diverged`` if ``loss`` (every rank's) is not finite."""
         if not math.isfinite(loss):
-            raise self.diverged(step, f"the training loss is {loss}")
-
-    def diverged(self, step, what):
-        """A diverged run's UsageError, naming its newest checkpoint."""
-        if not self.directory:
-            saved = "nothing was saved: no --checkpoint-dir"
-        elif complete := self._list_complete():
-            newest = os.path.join(self.directory, complete[-1])
-            saved = (
-                f"nothing after {complete[-1]} was saved; the same command resumes from "
-                f"{newest}, which is finite, as every checkpoint is"
-            )
-        else:
-            saved = f"no checkpoint is in {self.directory}: a rerun starts from step 0"
-        return UsageError(
-            f"{what} at step {step}: training diverged; lower --lr or raise --warmup-steps, "
-            f"or it diverges again ({saved})"
-        )
-
-    def _random_states(self):
-        states = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            states["cuda"] = torch.cuda.get_rng_state(self.device)
-        return states
-
-    def _names(self, folder=None):
-        folder = folder or self.directory
-        return os.listdir(folder) if folder and os.path.isdir(folder) else []
-
-    def _list_complete(self, folder=None):  # oldest first
-        names = [n for n in self._names(folder) if n.startswith("step-") and n[5:].isdigit()]
-        return sorted(names, key=lambda name: int(name[5:]))
-
-    def _remove_strays(self):  # crashed saves' .tmp-step-<N>
-        for stray in (n for n in self._names() if n.startswith(".tmp-step-")):
-            shutil.rmtree(os.path.join(self.directory, stray), ignore_errors=True)
+            raise diverged(step, f"the training loss is {loss}", self.checkpoints)
 
     def check_outputs(self):
         """Collective: rank 0 tries each output path, to fail before training."""
@@ -271,173 +129,13 @@ class Checkpointer:
                 why = error.strerror or error
                 raise UsageError(f"{flag} {path}: cannot write there ({why})") from None
 
-    def resume(self, model, optimizer, log, aliases=None):
-        """Collective: load the newest intact checkpoint, if any, with each rank's random
-        states (else each rank's own seed: dropout draws its own masks on each rank, as
-        nanoGPT's seed + rank); where to go on. ``aliases`` ({name: name in the whole
-        model}) name optimizer states here and in every save (_renamed)."""
-        self.aliases = aliases or {}
-        torch.manual_seed(self.args.seed + dist.get_rank())  # the model was built from seed
-        found = on_rank_0(lambda: self._newest_intact(log), "finding a checkpoint")
-        if found is None:
-            return {"step": 0, "epoch": 0, "samples_into_epoch": 0}
-        path, info = found
-        # Not before: get_state_dict steps a fresh optimizer.
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        optimizer_tensors = _renamed(optimizer_state["state"], self.aliases)
-        tensors = {"model": model_state, "optimizer": optimizer_tensors}  # in place
-        same_ranks = all(info["layout"].get(k) == self.layout[k] for k in ("world_size", "device"))
-        if same_ranks:  # random states: each rank's own
-            tensors["rng"] = {f"rank{dist.get_rank()}": self._random_states()}
-        try:
-            dcp.load(tensors, checkpoint_id=path)
-        except (Exception, CheckpointException) as error:  # the same on every rank
-            cause = _first_cause(error)
-            # Intact files: a missing name or shape is another model's; else a retry may pass.
-            if isinstance(cause, (ValueError, KeyError)) or str(cause).startswith("Missing key"):
-                why = " ".join(str(cause).split())[:200]
-                raise UsageError(
-                    f"checkpoint {path} does not load into this run ({why}): another model's? "
-                    "use another --checkpoint-dir"
-                ) from None
-            why = transient(cause) or type(cause).__name__
-            line = f"checkpoint {path} was not loaded ({why}): it is intact (its SHA-256s match)"
-            raise Retryable(line) from None
-        set_state_dict(
-            model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state
-        )
-        for kind, state in tensors.get("rng", {}).get(f"rank{dist.get_rank()}", {}).items():
-            if kind == "cpu":
-                torch.set_rng_state(state)
-            else:
-                torch.cuda.set_rng_state(state, self.device)
-        log(f"resumed from {path} (step {info['step']}, epoch {info['epoch'] + 1})")
-        if self.args.init_from:  # a requeued job goes on, not over
-            log(f"--init-from {self.args.init_from} is not used: the checkpoint is newer")
-        if info["peak_lr"] != self.peak_lr:  # another --lr or --scale-lr batch
-            log(
-                f"the peak lr is now {self.peak_lr:g}, not the checkpoint's {info['peak_lr']:g}: "
-                "the schedule goes on"
-            )
-        saved, batch = info["samples_into_epoch"], self.layout["global_batch_size"]
-        back = saved % batch  # steps start at whole global batches
-        if back:
-            log(
-                f"the global batch changed from {info['layout']['global_batch_size']} to {batch}: "
-                f"epoch {info['epoch'] + 1} continues at sample {saved - back}, not {saved}, "
-                f"so {back} samples are seen twice"
-            )
-        return {**info, "samples_into_epoch": saved - back}
 
-    def _newest_intact(self, log):
-        """On rank 0: (path, checkpoint.json) or None; --resume-from's, if given."""
-        found, chosen = self._newest_in_directory(log), self.args.resume_from
-        self.branch = found[1].get("branch") if found else None  # its checkpoints keep it
-        if not chosen:
-            return found
-        if found and self.branch == chosen:  # a requeue or a restart
-            log(f"--resume-from {chosen} was applied before: its branch goes on from {found[0]}")
-            return found
-        path = chosen if os.sep in chosen else os.path.join(self.directory or ".", chosen)
-        if not os.path.isdir(path):
-            raise UsageError(self._gone(chosen, path))
-        info, problem = _verify(path, self.layout)
-        if problem:
-            raise UsageError(f"--resume-from {chosen} is not an intact checkpoint ({problem})")
-        newer = [name for name in self._list_complete() if int(name[5:]) > info["step"]]
-        for name in newer:  # never resumed from again, never deleted
-            aside = _unused(os.path.join(self.directory, "abandoned-" + name))
-            os.replace(os.path.join(self.directory, name), aside)
-        if newer:
-            moved = ", ".join(newer)
-            log(f"--resume-from {chosen}: the newer {moved} moved aside to abandoned-step-<N>")
-        self.branch = chosen
-        return path, info
-
-    def _gone(self, chosen, path):  # --resume-from's line when ``path`` is not there
-        folder, name = os.path.split(os.path.normpath(path))
-        found = self._list_complete(folder or ".")
-        line = f"--resume-from {chosen}: no such checkpoint; {folder or '.'} holds "
-        line += f"{', '.join(found)}: resume from one of those" if found else "none"
-        keep, step = self.args.keep_checkpoints, name.removeprefix("step-")
-        if found and step.isdigit() and int(step) < int(found[0][5:]) and len(found) >= keep:
-            line += f" (--keep-checkpoints {keep} keeps the newest {keep}: {name} was deleted when "
-            line += "newer ones were saved; raise it to keep more)"  # as each save does
-        return line
-
-    def _newest_in_directory(self, log):
-        """On rank 0: (path, checkpoint.json) or None; newer damaged ones go aside."""
-        damaged = []  # (name, what is wrong), newest first
-        self._remove_strays()
-        for name in reversed(self._list_complete()):
-            path = os.path.join(self.directory, name)
-            info, problem = _verify(path, self.layout)
-            if problem is None:
-                for bad_name, why in damaged:
-                    bad = os.path.join(self.directory, bad_name)
-                    aside = _unused(os.path.join(self.directory, "damaged-" + bad_name))
-                    os.replace(bad, aside)
-                    log(
-                        f"checkpoint {bad} is damaged ({why}): moved it to {aside}; "
-                        "resuming from an older one"
-                    )
-                return path, info
-            damaged.append((name, problem))
-        if damaged:  # none moved: a restart must not go back to step 0 unsaid
-            faults = "; ".join(f"{bad}: {why}" for bad, why in damaged)
-            raise UsageError(
-                f"no intact checkpoint in {self.directory}: {faults}; restore one, "
-                "or use another --checkpoint-dir"
-            )
-
-
-def _verify(path, layout=None):
-    """(checkpoint.json, None) if every file matches, or (None, what is damaged)."""
-    manifest = os.path.join(path, "checkpoint.json")
-    try:
-        with open(manifest) as file:
-            info = json.load(file)
-        files = {name: [int(size), str(digest)] for name, (size, digest) in info["files"].items()}
-        if ".metadata" not in files or info["format"] != FORMAT:
-            found = f"format {info['format']} (this code reads {FORMAT}), files {sorted(files)}"
-            raise ValueError(found)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        return None, f"checkpoint.json is unreadable: {error}"
-    if layout and info["layout"]["dataset"] != layout["dataset"]:  # another model's
-        raise UsageError(
-            f"checkpoint {manifest} was saved with dataset {info['layout']['dataset']}, "
-            f"this run has dataset {layout['dataset']}; use another --checkpoint-dir "
-            "or the same dataset"
-        )
-    saved = info["layout"].get("optimizer")  # None: a checkpoint from before it was recorded
-    if layout and saved and layout["optimizer"] and saved != layout["optimizer"]:
-        raise UsageError(
-            f"checkpoint {path} holds this model with --optimizer {saved}'s state, and this run "
-            f"has --optimizer {layout['optimizer']}: resume with --optimizer {saved}, or, to "
-            f"change optimizers, start from its weights (python -m plumbing.consolidate {path} "
-            "weights.pt, then --init-from weights.pt with another --checkpoint-dir)"
-        )
-    for name, expected in files.items():
-        try:
-            actual = _fingerprint(os.path.join(path, name))
-        except OSError as error:
-            return None, f"{name}: {error.strerror or error}"
-        if actual[0] != expected[0]:
-            return None, f"{name} has {actual[0]} bytes, checkpoint.json says {expected[0]}"
-        if actual != expected:
-            return None, f"{name} does not match its SHA-256 in checkpoint.json"
-    return info, None
-
-
-def _unused(path):  # path, or the first free path-2, path-3, ...
-    taken, number = path, 1
-    while os.path.lexists(taken):
-        number += 1
-        taken = f"{path}-{number}"
-    return taken
-
-
-def _fingerprint(path):  # [size in bytes, SHA-256] of a file
-    with open(path, "rb") as file:
-        digest = hashlib.file_digest(file, "sha256").hexdigest()
-    return [os.path.getsize(path), digest]
+def diverged(step, what, checkpoints=None):
+    """A diverged run's UsageError, naming its newest checkpoint."""
+    saved = "nothing was saved: no --checkpoint-dir"
+    if checkpoints and checkpoints.directory:
+        saved = checkpoints.what_is_saved()
+    return UsageError(
+        f"{what} at step {step}: training diverged; lower --lr or raise --warmup-steps, "
+        f"or it diverges again ({saved})"
+    )

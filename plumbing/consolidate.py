@@ -16,7 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from plumbing.checkpoints import _verify, write_atomically
+from plumbing.checkpoint_dir import verify
+from plumbing.checkpoints import write_atomically
 from plumbing.failures import UsageError
 
 PREFIX = "model."  # Checkpointer.save's {"model": ..., "optimizer": ..., "rng": ...}
@@ -40,7 +41,7 @@ def newest(directory):
 def consolidate(directory, out):
     """Write the model of ``directory`` (see newest) to ``out``; return a line that says what."""
     path = newest(directory)
-    info, problem = _verify(path)  # each file's size and SHA-256
+    info, problem = verify(path)  # each file's size and SHA-256
     if problem:  # DCP has no checksum: it would read damaged bytes as weights
         raise UsageError(f"checkpoint {path} is damaged ({problem}): nothing was written")
     metadata, tensors = dcp.FileSystemReader(path).read_metadata(), {}
@@ -72,9 +73,7 @@ def consolidate(directory, out):
     )
 
 
-# Not named main: tests/test_template.py follows collectives by function name, and a main that
-# calls dcp.load would mark failures.run, which calls the scripts' main, as one.
-def command(argv=None):
+def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m plumbing.consolidate", description=__doc__.splitlines()[0].split(": ", 1)[1]
     )
@@ -93,4 +92,4 @@ def command(argv=None):
 
 
 if __name__ == "__main__":
-    command()
+    main()

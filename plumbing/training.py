@@ -1,6 +1,8 @@
 """Training arithmetic and flags: shared flags, the step plan and lr, batches, evaluation."""
 
 import argparse
+import importlib
+import importlib.util
 import math
 import os
 import weakref
@@ -12,6 +14,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from plumbing.failures import NodeError, UsageError
 
+# Features a default run does not use, each in plumbing/<flag>.py and imported only when its flag is
+# given (nanoGPT's `if wandb_log: import wandb`): a copy carries only the files it uses.
+OPT_IN = ["checkpoint_dir", "init_from", "log_dir", "profile_steps", "metrics", "deterministic"]
+OPT_IN += ["resume_from"]  # which reads checkpoints: checkpoint_dir.py too
+
+
+def opt_in(args, flag):
+    """The module plumbing/<flag>.py if --<flag> is given, else None."""
+    return importlib.import_module(f"plumbing.{flag}") if getattr(args, flag) else None
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # not usage on every rank: one line, once
@@ -22,7 +34,16 @@ class _Parser(argparse.ArgumentParser):
         namespace = namespace or argparse.Namespace()
         for flag, defaults in self.presets.items():  # {dest: {value: {dest: default}}}
             vars(namespace).update(defaults.get(getattr(first, flag), {}))  # a flag given wins
-        return super().parse_known_args(args, namespace)
+        namespace, rest = super().parse_known_args(args, namespace)
+        for flag in OPT_IN:  # before anything is built: a copy may have left the file behind
+            needs = [flag, "checkpoint_dir"] if flag == "resume_from" else [flag]
+            lacks = [name for name in needs if not importlib.util.find_spec(f"plumbing.{name}")]
+            if getattr(namespace, flag, None) and lacks:
+                raise UsageError(
+                    f"--{flag.replace('_', '-')} needs plumbing/{lacks[0]}.py, which this copy "
+                    "lacks: copy that file from the project into your plumbing/"
+                )
+        return namespace, rest
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -157,9 +178,7 @@ def make_optimizer(args, parameters):
 def pick_device(args, local_rank):
     """--device: this rank's accelerator (LOCAL_RANK) or the CPU, with --deterministic's kernels
     if given; one line if too few."""
-    if args.deterministic:  # before any kernel runs
-        from plumbing import deterministic
-
+    if deterministic := opt_in(args, "deterministic"):  # before any kernel runs
         deterministic.enable()
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     flag = args.device

@@ -261,6 +261,12 @@ def test_the_concepts_page_is_short():
     )
 
 
+def test_the_readme_is_at_most_200_lines():
+    """The front page: it grew to 251 lines, its detail now in docs/reference.md (issue 56)."""
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= 200, f"README.md has {lines} lines: move detail into docs/reference.md"
+
+
 NOT_LESSONS = {"glossary.md", "reference.md", "measurements.md"}  # looked up, not read through
 
 

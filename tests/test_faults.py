@@ -30,7 +30,7 @@ from conftest import (
     worker_pids,
 )
 
-from plumbing import checkpoints, failures, watch
+from plumbing import checkpoint_dir, failures, metrics
 
 # A model of 7 M parameters (--width 16; 28 MB of weights, as much of SGD's momentum): a checkpoint
 # big enough that reading or writing it takes tens of milliseconds, which a poll of the workers'
@@ -278,16 +278,16 @@ def test_mfu_is_one_gpus_flops_over_its_peak():
     GPU, 12.6 % of the H100's 989e12 (the old arithmetic divided the total by one GPU's peak: 8 x
     too much)."""
     cpu = torch.device("cpu")
-    figures = watch.throughput(1e12, 1000.0, 8, cpu, "bf16", gpu_name="NVIDIA H100 80GB HBM3")
+    figures = metrics.throughput(1e12, 1000.0, 8, cpu, "bf16", gpu_name="NVIDIA H100 80GB HBM3")
     assert figures["flops_per_second"] == 1e15 and figures["flops_per_second_per_gpu"] == 1.25e14
     assert figures["peak_flops_per_gpu"] == 989e12 and figures["mfu"] == pytest.approx(
         1.25e14 / 989e12, rel=1e-12
     )
     assert (
-        watch.throughput(1e12, 1000.0, 8, cpu, "fp32", gpu_name="NVIDIA H100 80GB HBM3")["mfu"]
+        metrics.throughput(1e12, 1000.0, 8, cpu, "fp32", gpu_name="NVIDIA H100 80GB HBM3")["mfu"]
         is None
     )
-    assert watch.throughput(1e12, 1000.0, 1, cpu, "bf16")["mfu"] is None  # no GPU: no peak
+    assert metrics.throughput(1e12, 1000.0, 1, cpu, "bf16")["mfu"] is None  # no GPU: no peak
 
 
 SECTION = """
@@ -321,10 +321,12 @@ def test_whatever_rank_0_raises_in_its_section_the_others_raise_at_once(tmp_path
 def test_a_damaged_checkpoint_set_aside_never_takes_a_name_in_use(tmp_path):
     for name in ("damaged-step-4", "damaged-step-4-2"):
         (tmp_path / name).mkdir()
-    assert checkpoints._unused(str(tmp_path / "damaged-step-4")) == str(
+    assert checkpoint_dir.unused_path(str(tmp_path / "damaged-step-4")) == str(
         tmp_path / "damaged-step-4-3"
     )
-    assert checkpoints._unused(str(tmp_path / "damaged-step-8")) == str(tmp_path / "damaged-step-8")
+    assert checkpoint_dir.unused_path(str(tmp_path / "damaged-step-8")) == str(
+        tmp_path / "damaged-step-8"
+    )
 
 
 def accelerator_error(text, code=None):

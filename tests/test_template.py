@@ -32,40 +32,17 @@ from conftest import (
 from plumbing import failures, training
 
 SCRIPTS = ["train_ddp.py", "train_fsdp.py", "train_pippy.py"]
-# What a copy reads besides the script, its model and its data, and the script itself, formatted by
-# `ruff format --line-length 100`: 1,486 lines for a DDP copy after issue 41 cut plumbing/ by
-# concern (1,725 before) and issue 43 added --model and the GPT's text, 1,426 once checkpoints.py
-# and failures.py carried less, 1,433 with the defaults --model sets (the GPT's recipes:
-# training.parser parses twice), 1,363 once training.py, watch.py and failures.py carried less
-# (their if/else choices kept as such) and each main came within 120 lines, 1,331 once the
-# scripts' and plumbing/'s docstrings and comments said why, briefly; issue 41 asks for at most
-# 1,150 (DDP) and 1,300 (the others). Issue 52 kept tied weights one: checkpoints name a tied
-# weight's optimizer state once, so that any strategy resumes a pipeline's (+13, in every copy);
-# FSDP's units leave the weight to a unit around both modules (+12); the pipeline sums its copies'
-# gradients and names the block that fails outside blocks (+58). Issue 53 seeds each rank's
-# dropout on its own (+2), gives CUDA graphs to BabyCNN alone (DDP +3), and adds --deterministic
-# (+8; its settings in plumbing/deterministic.py, imported when the flag is given: counted here
-# are the files a script imports at module level). Issue 54 (+147 in every copy) retries by
-# type, says a bug or bad data as such, checks the data against the model before the first step,
-# and names the checkpoints a --resume-from did not find. Held so that it does not grow back.
-MAX_FORMATTED = {"train_ddp.py": 1504, "train_fsdp.py": 1624, "train_pippy.py": 1872}
-# Mean characters of a non-blank line, as written: issue 41 asks for at most 55 in the scripts and
-# plumbing/. Each file is held at what it reached (the scripts were 60 to 66, training.py 62.5),
-# so that lines do not grow back; lower a figure when a file gets shorter lines. Issue 54's one-line
-# errors raised checkpoints.py, failures.py, training.py and watch.py.
-MAX_MEAN_LINE = {
-    "train_ddp.py": 60.2,
-    "train_fsdp.py": 58.3,
-    "train_pippy.py": 56.9,
-    "train_tp.py": 57.9,
-    "plumbing/checkpoints.py": 57.3,
-    "plumbing/consolidate.py": 55.0,
-    "plumbing/deterministic.py": 68.4,  # issue 53: mostly its docstring; issue 55 retires this
-    "plumbing/failures.py": 58.7,
-    "plumbing/older_pipeline.py": 57.5,
-    "plumbing/training.py": 62.4,
-    "plumbing/watch.py": 55.8,
-}
+# What a copy carries besides its model and data: the script and the files it imports at module
+# level (its core), each formatted alone by `ruff format --line-length 100`. Issue 41 cut plumbing/
+# by concern; issues 52 to 54 added tied weights, typed retries and the data's checks (a DDP core
+# of 1,504 lines, 77 kB). Issue 55 moved each feature a default run does not use into a file of its
+# own, imported when its flag is given: --checkpoint-dir, --resume-from, --init-from, --metrics,
+# --log-dir, --profile-steps (as --deterministic was). Its budgets: the DDP core at most 1,180
+# lines and 59 kB (1,087 and 55.9 kB then), FSDP's 1,290 (1,210), the pipeline's 1,485 (1,455);
+# train_tp.py's is held at its own core then (1,695, train_fsdp.py's included).
+MAX_FORMATTED = {"train_ddp.py": 1180, "train_fsdp.py": 1290, "train_pippy.py": 1485}
+MAX_FORMATTED["train_tp.py"] = 1695
+MAX_DDP_BYTES = 59_000
 # Collective calls outside the scripts: 7 since issue 42, whose --init-from broadcasts (behind a
 # call marked collective) and whose plumbing/consolidate.py calls dcp.load without a process group
 # (no collective there); 9 since issue 41 put what the four scripts repeated in one place: the
@@ -123,14 +100,22 @@ def apply_diff(text, diff):
     return text
 
 
-def make_copy(home, scripts):
+def opt_in_files(section):
+    """{flag's dest: file} of the README's list of opt-in files, "- `FILE.py`: `--FLAG` ..."."""
+    found = re.findall(r"^- `(\w+)\.py`: `--([\w-]+)`", section, re.M)
+    return {flag.replace("-", "_"): f"plumbing/{name}.py" for name, flag in found}
+
+
+def make_copy(home, scripts, opt_ins=()):
     """The README's recipe in an empty ``home``: its copy commands (and ``scripts`` copied
-    likewise), the user's model and data file, the diff applied to each script. Returns the
-    project's directory and the user's file."""
+    likewise), the opt-in files the README lists for the flags ``opt_ins`` (dests), the user's
+    model and data file, the diff applied to each script. Returns the project's directory and the
+    user's file."""
     section = copy_section()
     (copy_commands,), (user_file,) = fenced(section, "bash"), fenced(section, "python")
     (diff,) = fenced(section, "diff")
     more = "".join(f"cp {script} ~/myproject/\n" for script in scripts if script != "train_ddp.py")
+    more += "".join(f"cp {opt_in_files(section)[flag]} ~/myproject/plumbing/\n" for flag in opt_ins)
     subprocess.run(
         ["bash", "-euc", copy_commands + more],
         cwd=ROOT,
@@ -157,7 +142,7 @@ def test_a_copy_killed_mid_run_resumes_bitwise_running_statistics_included(scrip
     running statistics of a run never killed. Each rank's statistics are its own (its own samples);
     the old plumbing saved whichever rank's DCP picked for each tensor, and a resume then went on
     from rank 1's for some. The copy's bad input is one line."""
-    project, _ = make_copy(tmp_path, [script])
+    project, _ = make_copy(tmp_path, [script], ["checkpoint_dir"])
     command = [arg.replace("train_ddp.py", script) for arg in copy_command()]
     common = ["--log-every", "10", "--checkpoint-every", "20", "--no-eval"]
     env = launcher_env(NPROC_PER_NODE=2, MAX_RESTARTS=1, PYTHONPATH=project)
@@ -201,7 +186,7 @@ def test_a_copied_script_trains_another_model_on_other_data(tmp_path):
     other weights too), on one process, lands far away. The flags of the bundled model and data are
     refused in the copy, in one line."""
     section = copy_section()
-    project, user_file = make_copy(tmp_path, SCRIPTS)
+    project, user_file = make_copy(tmp_path, SCRIPTS, ["metrics"])
     assert not (project / "models").exists()  # no BabyCNN, no bundled data: not needed
     command = re.search(r"`(torchrun [^`]*train_ddp\.py[^`]*)`", section).group(1).split()
     env = child_env(
@@ -312,7 +297,7 @@ def test_a_copied_script_trains_another_model_on_other_data(tmp_path):
 def transformer_copy(home, *scripts):
     """The README's copy of ``scripts`` with tests/user_transformers.py as the user's file, and a
     function that launches one (its launcher, 2 processes) with the model that NET names."""
-    project, _ = make_copy(home, scripts)
+    project, _ = make_copy(home, scripts, ["metrics"])
     shutil.copy(ROOT / "tests" / "user_transformers.py", project / "mymodel.py")
 
     def launch(script, net, *flags):
@@ -489,25 +474,18 @@ def project_imports(path, seen=None):
     return seen
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+def core(script):
+    """The files ``script`` imports at module level, transitively, but its model's and data's."""
+    return sorted(p for p in project_imports(ROOT / script) if p.parent.name != "models")
+
+
+@pytest.mark.parametrize("script", [*SCRIPTS, "train_tp.py"])
 def test_a_copy_reads_at_most_its_budget_of_formatted_lines(script):
-    carried = [p for p in project_imports(ROOT / script) if p.parent.name != "models"]
-    names = {p.relative_to(ROOT).as_posix() for p in carried}
-    assert {"plumbing/training.py", "plumbing/watch.py", "plumbing/checkpoints.py"} <= names, names
-    lines = 0
-    for path in [ROOT / script, *carried]:  # counted as ruff formats them, not as written
+    lines = size = 0
+    for path in [ROOT / script, *core(script)]:  # counted as ruff formats them, not as written
         formatted = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "ruff",
-                "format",
-                "--line-length",
-                "100",
-                "--stdin-filename",
-                path.name,
-                "-",
-            ],
+            [sys.executable, "-m", "ruff", "format", "--line-length", "100"]
+            + ["--stdin-filename", path.name, "-"],
             input=path.read_text(),
             capture_output=True,
             text=True,
@@ -515,22 +493,84 @@ def test_a_copy_reads_at_most_its_budget_of_formatted_lines(script):
         ).stdout
         assert max(map(len, formatted.splitlines()), default=0) <= 100, path
         lines += len(formatted.splitlines())
+        size += len(formatted.encode())
     assert lines <= MAX_FORMATTED[script], (script, lines)
+    assert script != "train_ddp.py" or size <= MAX_DDP_BYTES, (script, size)
 
 
-def test_every_script_and_plumbing_file_has_a_mean_line_length_held():
-    files = sorted(
-        p.relative_to(ROOT).as_posix()
-        for p in [*ROOT.glob("train_*.py"), *ROOT.glob("plumbing/*.py")]
-        if p.read_text().strip()  # plumbing/__init__.py is empty
+def test_the_readme_copies_the_core_by_name_and_lists_each_opt_in_file_with_its_flag():
+    """The recipe's cp commands take what the four scripts import at module level (their core; a
+    copy of train_tp.py takes train_fsdp.py beside it), no more, no less; each opt-in module of
+    training.OPT_IN is listed with its flag, one line each, and the file is there."""
+    section = copy_section()
+    (commands,) = fenced(section, "bash")
+    copied = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f"for f in {commands.splitlines()[1].split()[1].rstrip()}; do echo $f; done",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    cores = {p.relative_to(ROOT).as_posix() for s in [*SCRIPTS, "train_tp.py"] for p in core(s)}
+    assert sorted(copied) == sorted(cores - {"train_fsdp.py"}), (copied, cores)
+    listed = opt_in_files(section)
+    assert sorted(listed) == sorted(training.OPT_IN), listed
+    for flag, path in listed.items():
+        assert (ROOT / path).is_file() and (ROOT / path).read_text().startswith(
+            f'"""--{flag.replace("_", "-")}'
+        ), path  # its first line names its flag
+        assert all(ROOT / path not in core(s) for s in [*SCRIPTS, "train_tp.py"]), path
+
+
+def test_a_copy_of_the_core_alone_refuses_each_opt_in_flag_in_one_line(tmp_path):
+    """The README's copy without its opt-in files: each opt-in flag is refused in one line naming
+    the file to copy, by the copy's own parser, before anything is built; through its launcher, as
+    a user runs it, exit code 2. The control: with metrics.py copied, --metrics parses."""
+    project, _ = make_copy(tmp_path, ["train_ddp.py"])
+    values = {"profile_steps": "2:3", "deterministic": None}
+    flags = {
+        f: [f"--{f.replace('_', '-')}", *[values.get(f, "x")][: f != "deterministic"]]
+        for f in training.OPT_IN
+    }
+    probe = (
+        "import sys\nfrom plumbing import failures, training\n"
+        "for flags in sys.argv[1:]:\n"
+        "    try:\n        training.parser('').parse_args(flags.split())\n"
+        "    except failures.UsageError as error:\n        print(error)\n"
+        "    else:\n        print('parsed')\n"
     )
-    assert files == sorted(MAX_MEAN_LINE), "a file to hold (or one gone): add it to MAX_MEAN_LINE"
-    means = {}
-    for path in files:
-        lines = [line for line in (ROOT / path).read_text().splitlines() if line.strip()]
-        means[path] = sum(map(len, lines)) / len(lines)
-    longer = {path: round(mean, 2) for path, mean in means.items() if mean > MAX_MEAN_LINE[path]}
-    assert not longer, f"mean characters of a non-blank line above MAX_MEAN_LINE: {longer}"
+    lines = subprocess.run(
+        [sys.executable, "-c", probe, *(" ".join(f) for f in flags.values())],
+        cwd=project,
+        env=child_env(PYTHONPATH=project),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    for (flag, given), line in zip(flags.items(), lines, strict=True):
+        needs = "checkpoint_dir" if flag == "resume_from" else flag  # resume_from.py's too
+        assert line.startswith(f"{given[0]} needs plumbing/") and "which this copy lacks" in line
+        assert line.split("needs plumbing/")[1].split(".py")[0] in (flag, needs), line
+    run = Run(
+        [*copy_command()[:3], "--metrics", "m.json"], launcher_env(PYTHONPATH=project), project
+    )
+    assert_one_line_error(
+        run.wait(), "--metrics needs plumbing/metrics.py, which this copy lacks: copy that file"
+    )
+    assert run.returncode == 2 and not (project / "m.json").exists()
+    shutil.copy(ROOT / "plumbing" / "metrics.py", project / "plumbing")
+    probe_metrics = subprocess.run(
+        [sys.executable, "-c", probe, "--metrics m.json"],
+        cwd=project,
+        env=child_env(PYTHONPATH=project),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert probe_metrics.stdout == "parsed\n"
 
 
 @pytest.mark.parametrize("script", [*SCRIPTS, "train_tp.py"])
@@ -567,31 +607,40 @@ def test_at_most_nine_collectives_live_outside_the_scripts():
 
 def collective_functions():
     """Names of the functions and methods outside the scripts that run a collective, directly or
-    through another."""
-    functions = {}
+    through another: f(...) and self.f(...) resolve as Python resolves them, to the file's own f or
+    to the f it imports from plumbing/ or models/ (a call through a module, m.f(...), is the
+    caller's to mark)."""
+    functions = {}  # (file, name): (calls as (file, name), runs one itself)
     for path in [*ROOT.glob("plumbing/*.py"), *ROOT.glob("models/*.py")]:
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree, here = ast.parse(path.read_text()), path.relative_to(ROOT).with_suffix("").as_posix()
+        imported = {
+            alias.asname or alias.name: (node.module.replace(".", "/"), alias.name)
+            for node in tree.body
+            if isinstance(node, ast.ImportFrom)
+            and (node.module or "").startswith(("plumbing", "models"))
+            for alias in node.names
+        }
+        for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef):
-                # Calls resolved by name only where the name is this file's: f(...) and self.f(...).
                 calls = {
-                    c.func.id if isinstance(c.func, ast.Name) else c.func.attr
+                    imported.get(name, (here, name))
                     for c in ast.walk(node)
                     if isinstance(c, ast.Call)
-                    and (
-                        isinstance(c.func, ast.Name)
-                        or (
-                            isinstance(c.func, ast.Attribute)
-                            and getattr(c.func.value, "id", None) == "self"
-                        )
-                    )
+                    for name in [
+                        c.func.id
+                        if isinstance(c.func, ast.Name)
+                        else c.func.attr
+                        if isinstance(c.func, ast.Attribute)
+                        and getattr(c.func.value, "id", None) == "self"
+                        else None
+                    ]
+                    if name
                 }
-                functions[node.name] = (calls, bool(collective_calls_in(node)))
-    found = {name for name, (_, direct) in functions.items() if direct}
-    while True:
-        more = {name for name, (calls, _) in functions.items() if calls & found} - found
-        if not more:
-            return found
+                functions[here, node.name] = (calls, bool(collective_calls_in(node)))
+    found = {key for key, (_, direct) in functions.items() if direct}
+    while more := {key for key, (calls, _) in functions.items() if calls & found} - found:
         found |= more
+    return {name for _, name in found}
 
 
 def collective_calls_in(node):
