@@ -1,4 +1,4 @@
-"""Image data for the three training scripts: map-style Datasets, held whole as tensors on the
+"""Image data for the four training scripts: map-style Datasets, held whole as tensors on the
 training device.
 
 ``load`` returns each split as a ``torch.utils.data.TensorDataset`` of normalised images (N, C, H,
@@ -127,9 +127,8 @@ def find(name, data_dir, download=True, model=None):
     elif model is not None and (name == "shakespeare") != gpt:  # no such pairing
         wanted = "--dataset shakespeare (its default)" if gpt else "an image dataset"
         raise DataError(f"--model {model} trains on {wanted}, not --dataset {name}")
-    if (
-        name == "auto" and data_dir is not None
-    ):  # never read: say so, rather than train on other data than asked
+    # auto never reads --data-dir: say so, rather than train on other data than asked
+    if name == "auto" and data_dir is not None:
         raise DataError(
             f"--data-dir {data_dir} is not read with --dataset auto, which trains on the MNIST "
             "files in "
@@ -137,9 +136,7 @@ def find(name, data_dir, download=True, model=None):
         )
     if name == "shakespeare":  # the text in models/tinyshakespeare/: checked here, never downloaded
         return _find_text(data_dir, GPT_SIZES[model if gpt else "gpt"]["block_size"])
-    data_dir = (
-        BUNDLED if name == "auto" else data_dir or "./data"
-    )  # auto: the copy that ships with the project
+    data_dir = BUNDLED if name == "auto" else data_dir or "./data"  # auto: the shipped copy
     found = {
         "name": name,
         "data_dir": os.path.abspath(data_dir),
@@ -151,9 +148,8 @@ def find(name, data_dir, download=True, model=None):
         return found
     wanted = "mnist" if name == "auto" else name
     folder = data_dir if wanted == "cifar10" else os.path.dirname(_idx_paths(wanted, data_dir)[0])
-    if os.path.isdir(folder) and not os.access(
-        folder, os.R_OK | os.X_OK
-    ):  # not "missing": the fix is another
+    # unreadable is not "missing": the fix is another
+    if os.path.isdir(folder) and not os.access(folder, os.R_OK | os.X_OK):
         found["broken"] = (
             f"{os.path.abspath(folder)} cannot be read by this user (permission denied): let it "
             "read it"
@@ -164,12 +160,9 @@ def find(name, data_dir, download=True, model=None):
         try:
             os.makedirs(data_dir, exist_ok=True)
             with open(os.path.join(data_dir, ".download-lock"), "w") as lock:
-                fcntl.flock(
-                    lock, fcntl.LOCK_EX
-                )  # released when the file closes, also when this process dies
-                found["missing"] = _download(
-                    wanted, data_dir
-                )  # None if another process got there first
+                # released when the file closes, also when this process dies
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                found["missing"] = _download(wanted, data_dir)  # None if another got there first
         except OSError as error:
             found["missing"] = f"{data_dir} cannot be written ({error.strerror or error})"
     if found["missing"] is None:
@@ -278,9 +271,8 @@ def _agree(name, answers, log):
     files."""
     if name == "synthetic":
         return "synthetic"
-    nodes = list(
-        {answer["node"]: answer for answer in answers}.values()
-    )  # one answer per node and directory
+    # one answer per node and directory
+    nodes = list({answer["node"]: answer for answer in answers}.values())
     several = len({answer["node"] for answer in answers}) > 1
     broken = [node for node in nodes if node["broken"]]
     if broken:  # files that are there but wrong are an error: never silently replaced
@@ -336,18 +328,14 @@ def _download(name, data_dir):
     import torchvision
 
     previous_timeout = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(
-        DOWNLOAD_TIMEOUT_SECONDS
-    )  # an unreachable mirror fails in seconds, not minutes
+    # an unreachable mirror fails in seconds, not minutes
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_SECONDS)
     try:
         getattr(torchvision.datasets, _TORCHVISION[name])(data_dir, train=True, download=True)
         return None
-    except (
-        Exception
-    ) as error:  # torchvision raises RuntimeError or URLError, depending on the dataset
-        reason = (
-            " ".join(str(error).split()) or type(error).__name__
-        )  # torchvision's message spans lines
+    except Exception as error:  # torchvision raises RuntimeError or URLError, by the dataset
+        # torchvision's message spans lines
+        reason = " ".join(str(error).split()) or type(error).__name__
         return f"the download failed ({textwrap.shorten(reason, 160, placeholder=' ...')})"
     finally:
         socket.setdefaulttimeout(previous_timeout)

@@ -128,7 +128,7 @@ class GPT(nn.Module):
     """Embed, n_layer Blocks, Head, in ``blocks``: ids (B, T <= block_size) -> logits (B, T, vocab).
 
     The defaults are nanoGPT's CPU recipe for Tiny Shakespeare's 65 characters: 4 layers, 4 heads,
-    128 wide, a context of 64: 0.81 M parameters. Initialised as nanoGPT: weights normal(0, 0.02),
+    128 wide, a context of 64: 0.82 M parameters. Initialised as nanoGPT: weights normal(0, 0.02),
     the residual projections' scaled by 1 / sqrt(2 n_layer) (each block adds two of them to the
     residual stream, which would otherwise grow with depth), zero biases, LayerNorms at (1, 0)."""
 

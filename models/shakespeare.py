@@ -6,8 +6,8 @@ one-line DataError). ``split`` makes nanoGPT's character vocabulary (the sorted 
 characters: 65) and splits the ids as nanoGPT does: the first 90 % of the characters to train on,
 the rest to validate. ``CharWindows`` serves a split as a map-style Dataset of (input ids, target
 ids) windows, held whole on the training device, so the scripts' DistributedSampler deals it and
-core.Batches gathers a batch of windows by index there. ``models/data.py`` calls these for
-``find("shakespeare", None)`` and ``load(..., block_size=...)``.
+plumbing.training.Batches gathers a batch of windows by index there. ``models/data.py`` calls these
+for ``find("shakespeare", None)`` and ``load(..., block_size=...)``.
 """
 
 import gzip
@@ -71,9 +71,10 @@ class CharWindows(TensorDataset):
     each character once, deterministically, where nanoGPT estimates from random windows. Each
     target is predicted from 1 to block_size characters, as in nanoGPT's windows.
 
-    A TensorDataset whose one tensor is the whole split: on the training device, core.Batches
-    gathers a batch of windows by index there (one indexing op, no DataLoader); on the CPU, a
-    DataLoader's workers (--workers) read one window at a time. An index: an int or a tensor."""
+    A TensorDataset whose one tensor is the whole split: on the training device,
+    plumbing.training.Batches gathers a batch of windows by index there (one indexing op, no
+    DataLoader); on the CPU, a DataLoader's workers (--workers) read one window at a time. An index:
+    an int or a tensor."""
 
     def __init__(self, ids, block_size, vocabulary, stride=None):
         if len(ids) <= block_size:
