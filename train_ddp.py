@@ -137,8 +137,8 @@ def main():
     if args.save:
         checkpoints.save_on_rank_0(model.state_dict(), args.save)  # collective
         log(f"saved the weights to {args.save}")
-    if hasattr(train_set, "write") and failures.is_rank_0():  # text: a sample
-        log(train_set.write(model.state_dict()))  # a replica is the whole model
+    if hasattr(train_set, "vocabulary") and failures.is_rank_0():  # text: a sample
+        log(models.sample(model, model.state_dict(), train_set.vocabulary))  # the replica is whole
     if args.metrics:
         run = {"strategy": "ddp"}
         # collective: rank 0 gathers each rank's memory

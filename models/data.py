@@ -35,7 +35,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from models.gpt import SIZES as GPT_SIZES
+from models import shakespeare
+from models.errors import DataError
 
 NUM_CLASSES = 10  # every one of them: ten digits, ten garments, ten CIFAR classes
 BUNDLED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mnist")  # --dataset auto
@@ -51,14 +52,13 @@ def _positive_int(text):  # argparse type, with the scripts' own flags' messages
 _positive_int.__name__ = "int"  # argparse's "invalid int value: 'abc'"
 
 
-class DataError(Exception):
-    """A dataset problem the user can fix; the message is one line that says how."""
-
-
 # The defaults --model sets, each GPT's training recipe (a flag given wins); --model cnn keeps the
 # shared parser's. The warmup is the shared rule's: 100 steps, or a fifth of a short run. gpt: a
 # validation loss of 1.82 on 2 CPU processes (benchmarks/gpt_time_to_loss.py); gpt-gpu: nanoGPT's
 # recipe for its GPU size (config/train_shakespeare_char.py), on one GPU.
+# --model's GPTs and the characters a window of their text holds: each one's context (nanoGPT's
+# block_size), which models.build gives the GPT from the windows.
+GPT_CONTEXT = {"gpt": 64, "gpt-gpu": 256}
 RECIPES = {
     "gpt": {"batch_size": 16, "max_steps": 900},
     "gpt-gpu": {
@@ -82,7 +82,7 @@ def add_arguments(parser):
     )
     add(
         "--model",
-        choices=("cnn", *GPT_SIZES),
+        choices=("cnn", *GPT_CONTEXT),
         default="cnn",
         help="cnn: BabyCNN on images; gpt: the character-level GPT on Tiny Shakespeare at "
         "nanoGPT's CPU size (0.82 M parameters), gpt-gpu at its GPU size (10.8 M); each GPT sets "
@@ -121,7 +121,7 @@ def find(name, data_dir, download=True, model=None):
     a ``data_dir`` take turns (a file lock), so one downloads and the others then find the files.
     ``model`` (--model's): ``name`` None is its own data (auto for cnn, shakespeare for a GPT),
     and another model's is refused; a GPT's sets the windows' length, its context."""
-    gpt = model in GPT_SIZES
+    gpt = model in GPT_CONTEXT
     if name is None:
         name = "shakespeare" if gpt else "auto"
     elif model is not None and (name == "shakespeare") != gpt:  # no such pairing
@@ -135,7 +135,7 @@ def find(name, data_dir, download=True, model=None):
             f"{BUNDLED}: add --dataset mnist to train on the MNIST files in {data_dir}"
         )
     if name == "shakespeare":  # the text in models/tinyshakespeare/: checked here, never downloaded
-        return _find_text(data_dir, GPT_SIZES[model if gpt else "gpt"]["block_size"])
+        return _find_text(data_dir, GPT_CONTEXT[model if gpt else "gpt"])
     data_dir = BUNDLED if name == "auto" else data_dir or "./data"  # auto: the shipped copy
     found = {
         "name": name,
@@ -192,8 +192,6 @@ def load(found, device, dtype=torch.float32, workers=0, log=print, block_size=No
     dist.all_gather_object(answers, {k: v for k, v in found.items() if k != "splits"})
     resolved = _agree(found["name"], answers, log)
     if resolved == "shakespeare":  # windows of characters, ids on the device
-        from models import shakespeare  # here, not above: it imports this module
-
         device = torch.device("cpu") if workers else device
         block_size = block_size or found["block_size"]
         return resolved, *shakespeare.datasets(found["splits"], device, block_size)
@@ -230,8 +228,6 @@ def normalisation(images, dtype):
 def _find_text(data_dir, block_size):
     """``find`` for Tiny Shakespeare: the text read and checked now, its vocabulary and splits, and
     the windows' length."""
-    from models import shakespeare  # here, not above: it imports this module
-
     if data_dir is not None:  # never read: say so, rather than train on other text than asked
         raise DataError(
             f"--data-dir {data_dir} is not read with --dataset shakespeare, which "
