@@ -1,4 +1,4 @@
-"""Train BabyCNN with DistributedDataParallel (DDP): a full replica per rank, gradients all-reduced.
+"""Train a model with DistributedDataParallel (DDP): a full replica per rank, gradients all-reduced.
 
 Launch (the README and run_ddp.sh use the same commands):
     python train_ddp.py                                       # one process, no torchrun

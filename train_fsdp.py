@@ -1,4 +1,4 @@
-"""Train BabyCNN with Fully Sharded Data Parallel (FSDP2): each rank keeps a shard of everything.
+"""Train a model with Fully Sharded Data Parallel (FSDP2): each rank keeps a shard of everything.
 
 Launch (the README and run_fsdp.sh use the same commands):
     python train_fsdp.py                                      # one process, no torchrun

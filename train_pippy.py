@@ -1,4 +1,4 @@
-"""Train BabyCNN with pipeline parallelism (torch.distributed.pipelining): a rank runs some blocks.
+"""Train a model with pipeline parallelism (torch.distributed.pipelining): a rank runs some blocks.
 
 Launch (the README and run_pippy.sh use the same commands):
     python train_pippy.py                                     # one process: one stage, no pipeline
