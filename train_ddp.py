@@ -1,4 +1,4 @@
-"""Train BabyCNN with DistributedDataParallel (DDP): a full replica per rank, gradients all-reduced.
+"""Train a model with DistributedDataParallel (DDP): a full replica per rank, gradients all-reduced.
 
 Launch (the README and run_ddp.sh use the same commands):
     python train_ddp.py                                       # one process, no torchrun
@@ -135,8 +135,8 @@ def main():
     if args.save:
         checkpoints.save_on_rank_0(model.state_dict(), args.save)  # collective
         log(f"saved the weights to {args.save}")
-    if hasattr(train_set, "write") and failures.is_rank_0():  # text: a sample
-        log(train_set.write(model.state_dict()))  # a replica is the whole model
+    if hasattr(train_set, "vocabulary") and failures.is_rank_0():  # text: a sample
+        log(models.sample(model, model.state_dict(), train_set.vocabulary))  # the replica is whole
     if metrics := training.opt_in(args, "metrics"):  # plumbing/metrics.py
         run = {"strategy": "ddp"}
         # collective: rank 0 gathers each rank's memory

@@ -1,4 +1,4 @@
-"""Train BabyCNN with Fully Sharded Data Parallel (FSDP2): each rank keeps a shard of everything.
+"""Train a model with Fully Sharded Data Parallel (FSDP2): each rank keeps a shard of everything.
 
 Launch (the README and run_fsdp.sh use the same commands):
     python train_fsdp.py                                      # one process, no torchrun
@@ -148,8 +148,8 @@ def main():
         full_state = gather_full_state_dict(model)  # collective
         checkpoints.save_on_rank_0(full_state, args.save)  # collective
         log(f"saved the weights to {args.save}")
-    if hasattr(train_set, "write"):  # text: rank 0 prints a sample
-        log(train_set.write(gather_full_state_dict(model)))  # collective
+    if hasattr(train_set, "vocabulary"):  # text: rank 0 prints a sample
+        log(models.sample(model, gather_full_state_dict(model), train_set.vocabulary))  # collective
     if metrics := training.opt_in(args, "metrics"):  # plumbing/metrics.py
         run = {"strategy": "fsdp", "sharding": args.sharding, "mesh": list(mesh.shape)}
         run |= {"activation_checkpointing": args.activation_checkpointing}

@@ -1,4 +1,4 @@
-"""Train BabyCNN with pipeline parallelism (torch.distributed.pipelining): a rank runs some blocks.
+"""Train a model with pipeline parallelism (torch.distributed.pipelining): a rank runs some blocks.
 
 Launch (the README and run_pippy.sh use the same commands):
     python train_pippy.py                                     # one process: one stage, no pipeline
@@ -169,8 +169,8 @@ def main():
         full_state = gather_state_dict(model, mesh, tied)  # collective
         checkpoints.save_on_rank_0(full_state, args.save)  # collective
         log(f"saved the weights to {args.save}")
-    if hasattr(train_set, "write"):  # text: rank 0 prints a sample
-        log(train_set.write(gather_state_dict(model, mesh, tied)))  # collective
+    if hasattr(train_set, "vocabulary"):  # text: rank 0 prints a sample (a collective gather)
+        log(models.sample(model, gather_state_dict(model, mesh, tied), train_set.vocabulary))
     if metrics := training.opt_in(args, "metrics"):  # plumbing/metrics.py
         run = {"strategy": "pipeline", "schedule": args.schedule, "stages": len(stage_blocks)}
         run |= {"microbatches": args.microbatches, "data_parallel": args.data_parallel}

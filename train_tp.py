@@ -163,8 +163,8 @@ def main():
         full_state = gather_full_state_dict(model)  # collective
         checkpoints.save_on_rank_0(full_state, args.save)  # collective
         log(f"saved the weights to {args.save}")
-    if hasattr(train_set, "write"):  # text: rank 0 prints a sample
-        log(train_set.write(gather_full_state_dict(model)))  # collective
+    if hasattr(train_set, "vocabulary"):  # text: rank 0 prints a sample
+        log(models.sample(model, gather_full_state_dict(model), train_set.vocabulary))  # collective
     if metrics := training.opt_in(args, "metrics"):  # plumbing/metrics.py
         run = {"strategy": "tp", "tp": args.tp, "mesh": list(mesh.shape)}
         # collective: rank 0 gathers each rank's memory

@@ -78,9 +78,7 @@ class BabyCNN(nn.Module):
             ConvBlock(2 * c, 4 * c, pool=False, device=device, dtype=dtype),
             Head(4 * c, feature_size, num_classes, device=device, dtype=dtype),
         )
-        if (
-            torch.device(device or "cpu").type != "meta"
-        ):  # on meta, the caller initialises after to_empty
+        if torch.device(device or "cpu").type != "meta":  # meta: the caller's, after to_empty
             self.reset_parameters()
 
     def forward(self, x):

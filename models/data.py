@@ -1,4 +1,4 @@
-"""Image data for the three training scripts: map-style Datasets, held whole as tensors on the
+"""Image data for the four training scripts: map-style Datasets, held whole as tensors on the
 training device.
 
 ``load`` returns each split as a ``torch.utils.data.TensorDataset`` of normalised images (N, C, H,
@@ -35,7 +35,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from models.gpt import SIZES as GPT_SIZES
+from models import shakespeare
+from models.errors import DataError
 
 NUM_CLASSES = 10  # every one of them: ten digits, ten garments, ten CIFAR classes
 BUNDLED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mnist")  # --dataset auto
@@ -51,9 +52,9 @@ def _positive_int(text):  # argparse type, with the scripts' own flags' messages
 _positive_int.__name__ = "int"  # argparse's "invalid int value: 'abc'"
 
 
-class DataError(Exception):
-    """A dataset problem the user can fix; the message is one line that says how."""
-
+# --model's GPTs and the characters a window of their text holds: each one's context (nanoGPT's
+# block_size), which models.build gives the GPT from the windows.
+GPT_CONTEXT = {"gpt": 64, "gpt-gpu": 256}
 
 # The defaults --model sets, each GPT's training recipe (a flag given wins); --model cnn keeps the
 # shared parser's. The warmup is the shared rule's: 100 steps, or a fifth of a short run. gpt: a
@@ -82,7 +83,7 @@ def add_arguments(parser):
     )
     add(
         "--model",
-        choices=("cnn", *GPT_SIZES),
+        choices=("cnn", *GPT_CONTEXT),
         default="cnn",
         help="cnn: BabyCNN on images; gpt: the character-level GPT on Tiny Shakespeare at "
         "nanoGPT's CPU size (0.82 M parameters), gpt-gpu at its GPU size (10.8 M); each GPT sets "
@@ -121,25 +122,22 @@ def find(name, data_dir, download=True, model=None):
     a ``data_dir`` take turns (a file lock), so one downloads and the others then find the files.
     ``model`` (--model's): ``name`` None is its own data (auto for cnn, shakespeare for a GPT),
     and another model's is refused; a GPT's sets the windows' length, its context."""
-    gpt = model in GPT_SIZES
+    gpt = model in GPT_CONTEXT
     if name is None:
         name = "shakespeare" if gpt else "auto"
     elif model is not None and (name == "shakespeare") != gpt:  # no such pairing
         wanted = "--dataset shakespeare (its default)" if gpt else "an image dataset"
         raise DataError(f"--model {model} trains on {wanted}, not --dataset {name}")
-    if (
-        name == "auto" and data_dir is not None
-    ):  # never read: say so, rather than train on other data than asked
+    # auto never reads --data-dir: say so, rather than train on other data than asked
+    if name == "auto" and data_dir is not None:
         raise DataError(
             f"--data-dir {data_dir} is not read with --dataset auto, which trains on the MNIST "
             "files in "
             f"{BUNDLED}: add --dataset mnist to train on the MNIST files in {data_dir}"
         )
     if name == "shakespeare":  # the text in models/tinyshakespeare/: checked here, never downloaded
-        return _find_text(data_dir, GPT_SIZES[model if gpt else "gpt"]["block_size"])
-    data_dir = (
-        BUNDLED if name == "auto" else data_dir or "./data"
-    )  # auto: the copy that ships with the project
+        return _find_text(data_dir, GPT_CONTEXT[model if gpt else "gpt"])
+    data_dir = BUNDLED if name == "auto" else data_dir or "./data"  # auto: the shipped copy
     found = {
         "name": name,
         "data_dir": os.path.abspath(data_dir),
@@ -151,9 +149,8 @@ def find(name, data_dir, download=True, model=None):
         return found
     wanted = "mnist" if name == "auto" else name
     folder = data_dir if wanted == "cifar10" else os.path.dirname(_idx_paths(wanted, data_dir)[0])
-    if os.path.isdir(folder) and not os.access(
-        folder, os.R_OK | os.X_OK
-    ):  # not "missing": the fix is another
+    # unreadable is not "missing": the fix is another
+    if os.path.isdir(folder) and not os.access(folder, os.R_OK | os.X_OK):
         found["broken"] = (
             f"{os.path.abspath(folder)} cannot be read by this user (permission denied): let it "
             "read it"
@@ -164,12 +161,9 @@ def find(name, data_dir, download=True, model=None):
         try:
             os.makedirs(data_dir, exist_ok=True)
             with open(os.path.join(data_dir, ".download-lock"), "w") as lock:
-                fcntl.flock(
-                    lock, fcntl.LOCK_EX
-                )  # released when the file closes, also when this process dies
-                found["missing"] = _download(
-                    wanted, data_dir
-                )  # None if another process got there first
+                # released when the file closes, also when this process dies
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                found["missing"] = _download(wanted, data_dir)  # None if another got there first
         except OSError as error:
             found["missing"] = f"{data_dir} cannot be written ({error.strerror or error})"
     if found["missing"] is None:
@@ -199,8 +193,6 @@ def load(found, device, dtype=torch.float32, workers=0, log=print, block_size=No
     dist.all_gather_object(answers, {k: v for k, v in found.items() if k != "splits"})
     resolved = _agree(found["name"], answers, log)
     if resolved == "shakespeare":  # windows of characters, ids on the device
-        from models import shakespeare  # here, not above: it imports this module
-
         device = torch.device("cpu") if workers else device
         block_size = block_size or found["block_size"]
         return resolved, *shakespeare.datasets(found["splits"], device, block_size)
@@ -237,8 +229,6 @@ def normalisation(images, dtype):
 def _find_text(data_dir, block_size):
     """``find`` for Tiny Shakespeare: the text read and checked now, its vocabulary and splits, and
     the windows' length."""
-    from models import shakespeare  # here, not above: it imports this module
-
     if data_dir is not None:  # never read: say so, rather than train on other text than asked
         raise DataError(
             f"--data-dir {data_dir} is not read with --dataset shakespeare, which "
@@ -278,9 +268,8 @@ def _agree(name, answers, log):
     files."""
     if name == "synthetic":
         return "synthetic"
-    nodes = list(
-        {answer["node"]: answer for answer in answers}.values()
-    )  # one answer per node and directory
+    # one answer per node and directory
+    nodes = list({answer["node"]: answer for answer in answers}.values())
     several = len({answer["node"] for answer in answers}) > 1
     broken = [node for node in nodes if node["broken"]]
     if broken:  # files that are there but wrong are an error: never silently replaced
@@ -336,18 +325,14 @@ def _download(name, data_dir):
     import torchvision
 
     previous_timeout = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(
-        DOWNLOAD_TIMEOUT_SECONDS
-    )  # an unreachable mirror fails in seconds, not minutes
+    # an unreachable mirror fails in seconds, not minutes
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_SECONDS)
     try:
         getattr(torchvision.datasets, _TORCHVISION[name])(data_dir, train=True, download=True)
         return None
-    except (
-        Exception
-    ) as error:  # torchvision raises RuntimeError or URLError, depending on the dataset
-        reason = (
-            " ".join(str(error).split()) or type(error).__name__
-        )  # torchvision's message spans lines
+    except Exception as error:  # torchvision raises RuntimeError or URLError, by the dataset
+        # torchvision's message spans lines
+        reason = " ".join(str(error).split()) or type(error).__name__
         return f"the download failed ({textwrap.shorten(reason, 160, placeholder=' ...')})"
     finally:
         socket.setdefaulttimeout(previous_timeout)

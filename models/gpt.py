@@ -33,12 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# --model's GPTs: nanoGPT's two sizes for Tiny Shakespeare (65 characters), untied. gpt, its CPU
-# recipe's: 818,176 parameters; gpt-gpu, its GPU recipe's (config/train_shakespeare_char.py):
-# 10,795,776.
+# --model's GPTs: nanoGPT's two sizes for Tiny Shakespeare (65 characters), untied, less the
+# context: the data's windows' (models/data.py's GPT_CONTEXT, 64 and 256). gpt, its CPU recipe's:
+# 818,176 parameters; gpt-gpu, its GPU recipe's (config/train_shakespeare_char.py): 10,795,776.
 SIZES = {
-    "gpt": {"block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128, "dropout": 0.0},
-    "gpt-gpu": {"block_size": 256, "n_layer": 6, "n_head": 6, "n_embd": 384, "dropout": 0.2},
+    "gpt": {"n_layer": 4, "n_head": 4, "n_embd": 128, "dropout": 0.0},
+    "gpt-gpu": {"n_layer": 6, "n_head": 6, "n_embd": 384, "dropout": 0.2},
 }
 
 
@@ -128,7 +128,7 @@ class GPT(nn.Module):
     """Embed, n_layer Blocks, Head, in ``blocks``: ids (B, T <= block_size) -> logits (B, T, vocab).
 
     The defaults are nanoGPT's CPU recipe for Tiny Shakespeare's 65 characters: 4 layers, 4 heads,
-    128 wide, a context of 64: 0.81 M parameters. Initialised as nanoGPT: weights normal(0, 0.02),
+    128 wide, a context of 64: 0.82 M parameters. Initialised as nanoGPT: weights normal(0, 0.02),
     the residual projections' scaled by 1 / sqrt(2 n_layer) (each block adds two of them to the
     residual stream, which would otherwise grow with depth), zero biases, LayerNorms at (1, 0)."""
 
@@ -205,3 +205,18 @@ def generate(model, ids, new_tokens, temperature=1.0, generator=None):
         ids = torch.cat([ids, torch.multinomial(probabilities, 1, generator=generator)], dim=1)
     model.train(was_training)
     return ids
+
+
+def sample(model, state_dict, vocabulary, characters=240, seed=0):
+    """The line the scripts print after training a GPT on text: what a GPT of ``model``'s config
+    with ``state_dict``'s weights (the whole model's, gathered) writes after a newline, sampled on
+    the CPU in float32 from a seeded generator, with a line before it. ``vocabulary``: the text's
+    characters, one an id, in order. None for no weights (the ranks a gather leaves without)."""
+    if not state_dict:
+        return None
+    whole = GPT(**model.config)
+    whole.load_state_dict({name: tensor.float().cpu() for name, tensor in state_dict.items()})
+    start = torch.tensor([[vocabulary.index("\n")]])
+    ids = generate(whole, start, characters, generator=torch.Generator().manual_seed(seed))
+    text = "".join(vocabulary[i] for i in ids[0, 1:].tolist())
+    return f"the trained GPT writes {characters} characters:\n{text}"

@@ -6,8 +6,8 @@ one-line DataError). ``split`` makes nanoGPT's character vocabulary (the sorted 
 characters: 65) and splits the ids as nanoGPT does: the first 90 % of the characters to train on,
 the rest to validate. ``CharWindows`` serves a split as a map-style Dataset of (input ids, target
 ids) windows, held whole on the training device, so the scripts' DistributedSampler deals it and
-core.Batches gathers a batch of windows by index there. ``models/data.py`` calls these for
-``find("shakespeare", None)`` and ``load(..., block_size=...)``.
+plumbing.training.Batches gathers a batch of windows by index there. ``models/data.py`` calls these
+for ``find("shakespeare", None)`` and ``load(..., block_size=...)``.
 """
 
 import gzip
@@ -18,8 +18,7 @@ import zlib
 import torch
 from torch.utils.data import TensorDataset
 
-from models.data import DataError
-from models.gpt import GPT, generate
+from models.errors import DataError
 
 FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tinyshakespeare")
 SIZE, SHA256 = 1_115_394, "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
@@ -71,9 +70,10 @@ class CharWindows(TensorDataset):
     each character once, deterministically, where nanoGPT estimates from random windows. Each
     target is predicted from 1 to block_size characters, as in nanoGPT's windows.
 
-    A TensorDataset whose one tensor is the whole split: on the training device, core.Batches
-    gathers a batch of windows by index there (one indexing op, no DataLoader); on the CPU, a
-    DataLoader's workers (--workers) read one window at a time. An index: an int or a tensor."""
+    A TensorDataset whose one tensor is the whole split: on the training device,
+    plumbing.training.Batches gathers a batch of windows by index there (one indexing op, no
+    DataLoader); on the CPU, a DataLoader's workers (--workers) read one window at a time. An index:
+    an int or a tensor."""
 
     def __init__(self, ids, block_size, vocabulary, stride=None):
         if len(ids) <= block_size:
@@ -81,7 +81,6 @@ class CharWindows(TensorDataset):
         self.tensors = (ids,)  # not TensorDataset's __init__, which wants a sample a row
         self.block_size, self.stride = block_size, stride or block_size
         self.vocabulary, self.vocab_size = vocabulary, len(vocabulary)
-        self.gpt = {"vocab_size": self.vocab_size, "block_size": block_size}  # models.build's
         self.offsets = torch.arange(block_size + 1, device=ids.device)
 
     def __len__(self):
@@ -99,22 +98,6 @@ class CharWindows(TensorDataset):
 
     def decode(self, ids):  # ids (any iterable of ints) -> text
         return "".join(self.vocabulary[int(i)] for i in ids)
-
-    def write(self, state_dict, characters=240, seed=0):
-        """What the GPT --model gpt builds writes with these weights after a newline, sampled from
-        a seeded generator on the CPU, with a line before it; None for no weights (the ranks a
-        gather leaves without)."""
-        if not state_dict:
-            return None
-        model = GPT(**self.gpt)  # models.build's GPT
-        model.load_state_dict({name: tensor.float().cpu() for name, tensor in state_dict.items()})
-        start = self.encode("\n").unsqueeze(0)
-        ids = generate(model, start, characters, generator=torch.Generator().manual_seed(seed))
-        return f"the trained GPT writes {characters} characters:\n{self.decode(ids[0, 1:])}"
-
-    def encode(self, text):  # text -> int64 ids on the CPU; a KeyError names a character not in it
-        position = {c: i for i, c in enumerate(self.vocabulary)}
-        return torch.tensor([position[c] for c in text], dtype=torch.int64)
 
 
 def datasets(splits, device, block_size=BLOCK_SIZE, stride=None):

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from conftest import ROOT
 from torch.utils.data import DataLoader, TensorDataset
 
-from models import GPT, data, shakespeare
+from models import GPT, data, sample, shakespeare
+from models.gpt import SIZES
 from plumbing import training
 
 SHARED = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "README.md"  # where it came from
@@ -142,7 +143,25 @@ def test_model_gpt_gpu_is_nanogpts_gpu_size_on_windows_of_its_context():
         "n_embd": 384,
         "dropout": 0.2,
     }
-    assert train.gpt == model.config  # what write() rebuilds to sample from the trained weights
+    assert set(SIZES) == set(data.GPT_CONTEXT)  # --model's GPTs: a size and a context each
+
+
+def test_the_sample_is_written_by_a_gpt_of_the_models_config_with_the_weights_given(splits):
+    vocabulary = splits[0]
+    torch.manual_seed(0)
+    model = GPT(**TINY)  # not GPT()'s defaults: sample() builds the model's config
+    line = sample(model, model.state_dict(), vocabulary, characters=40)
+    head, text = line.split("\n", 1)
+    assert head == "the trained GPT writes 40 characters:" and len(text) == 40, line
+    assert set(text) <= set(vocabulary)
+    # Any dtype, on the CPU in float32: a float64 copy of the weights writes the same.
+    doubled = {name: tensor.double() for name, tensor in model.state_dict().items()}
+    assert sample(model, doubled, vocabulary, characters=40) == line
+    # Negative control: other weights write other text (the weights given, not the model's own).
+    torch.manual_seed(1)
+    other = GPT(**TINY).state_dict()
+    assert sample(model, other, vocabulary, characters=40) != line
+    assert sample(model, {}, vocabulary) is None  # a rank the gather leaves without weights
 
 
 def test_the_gpt_maps_ids_to_logits_causally_from_the_seed():

@@ -89,7 +89,7 @@ def test_a_copy_whose_scripts_changed_fails_the_dry_run_or_runs_less(tmp_path):
         (copy / path.relative_to(ROOT)).parent.mkdir(exist_ok=True)
         shutil.copy2(path, copy / path.relative_to(ROOT))
     edit(copy / "plumbing" / "training.py", 'add("--no-eval"', 'add("--skip-eval"')
-    edit(copy / "models" / "data.py", 'choices=("cnn", *GPT_SIZES)', 'choices=("cnn",)')
+    edit(copy / "models" / "data.py", 'choices=("cnn", *GPT_CONTEXT)', 'choices=("cnn",)')
     run = dry_run(copy, tmp_path / "out")
     assert run.returncode == 1, run.output[-3000:]
     assert "train_ddp.py has no flag --no-eval" in run.output, run.output[-3000:]
