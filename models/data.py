@@ -1,5 +1,5 @@
-"""Image data for the four training scripts: map-style Datasets, held whole as tensors on the
-training device.
+"""The bundled data for the four training scripts, images and text: map-style Datasets, held whole
+as tensors on the training device.
 
 ``load`` returns each split as a ``torch.utils.data.TensorDataset`` of normalised images (N, C, H,
 W) and labels, on the device: the scripts gather a batch by index there (no DataLoader workers, no
