@@ -830,7 +830,7 @@ def summary(out, dry):
             )
         elif not timed_out and (code != "0" or not record["rows"]):
             why = (
-                "the check's 9 minutes were spent"
+                "the check's time was spent"
                 if code == "skipped"
                 else f"the step ended with exit code {code} (see {name}.json, logs/)"
             )
@@ -872,7 +872,7 @@ def summary(out, dry):
         f"- commit: {env.get('commit', 'unknown')}",
         f"- torch {env.get('torch')}, CUDA {env.get('cuda')}, Python {env.get('python')}",
         f"- GPU: {env.get('gpu', 'unknown')}{gpus}",
-        f"- {sum(s for _, _, s in ran.values())} s of steps (at most 9 minutes)",
+        f"- {sum(s for _, _, s in ran.values())} s of steps (a budget of about 9 minutes)",
         "",
         "| step | check | result | figures | seconds |",
         "| --- | --- | --- | --- | --- |",
