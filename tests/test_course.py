@@ -61,6 +61,7 @@ TERMS = {
     "no_sync": r"\bno_sync\b",
     "optimizer-state": r"\boptimi[sz]er state\b",
     "pipeline-parallelism": r"\bpipeline[- ]parallel(ism)?\b",
+    "placement": r"\bplacements?\b|(?-i:\bPartial\b)",
     "point-to-point": r"\bpoint-to-point\b",
     "process-group": r"\bprocess[- ]groups?\b",
     "rank": r"(?<!local\x20)(?<!local_)(?<!-)(?-i:\b[Rr]anks?\b)",

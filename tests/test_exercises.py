@@ -18,6 +18,9 @@ The format, strict so that it can be read here. A page's exercises are the `### 
                                                    `launch.sh:` line aside)
     <!-- check: RUN exits N -->                    RUN ended with exit code N
     <!-- check: RUN KEY == VALUE -->               in RUN's metrics file, KEY equals VALUE (JSON)
+    <!-- check: RUN KEY rounds to VALUE -->         the number at KEY, or each number there,
+                                                   rounds to VALUE's (JSON) as written: a loss
+                                                   the answer quotes to 4 decimals
     <!-- check: RUN KEY ~ RUN2 KEY2 within T -->    the numbers at KEY and KEY2 differ by at most T
     <!-- check: RUN KEY !~ RUN2 KEY2 beyond T -->  ... by more than T somewhere (the negative
                                                    control)
@@ -65,6 +68,7 @@ LEAST = {
 PAGES = [ROOT / "docs" / name for name in LEAST]
 CHECK = re.compile(r"<!-- check: (.*?) -->")
 FORMS = [
+    ("rounds", re.compile(r"(?P<run>\S+\.json) (?P<key>\S+) rounds to (?P<value>.+)$")),
     ("prints", re.compile(r'(?P<run>\S+\.json) prints "(?P<text>[^"]+)"$')),
     ("exits", re.compile(r"(?P<run>\S+\.json) exits (?P<code>\d+)$")),
     ("equals", re.compile(r"(?P<run>\S+\.json) (?P<key>\S+) == (?P<value>.+)$")),
@@ -184,6 +188,11 @@ def numbers(value):
     return [value]
 
 
+def quoted(value):
+    """The numbers of a check's VALUE as written: ["4.1775", "2.8127"] of [4.1775, 2.8127]."""
+    return re.findall(r"-?\d+(?:\.\d+)?(?:e-?\d+)?", value)
+
+
 def states(number, visible):
     return str(number) in visible or (isinstance(number, int) and f"{number:,}" in visible)
 
@@ -219,6 +228,9 @@ def test_every_page_has_its_exercises_in_the_format():
                     missing = [
                         n for n in numbers(json.loads(fields["value"])) if not states(n, visible)
                     ]
+                    assert not missing, f"{where}: the answer does not state {missing}"
+                if kind == "rounds":
+                    missing = [n for n in quoted(fields["value"]) if n not in visible]
                     assert not missing, f"{where}: the answer does not state {missing}"
                 if kind == "between":
                     assert float(fields["low"]) < float(fields["high"]), f"{where}: {fields}"
@@ -329,6 +341,14 @@ def test_the_exercise_answers_are_what_the_runs_give(runs, page, index):
                 )
         elif kind == "equals":
             assert runs.value(fields["run"], fields["key"]) == json.loads(fields["value"]), where
+        elif kind == "rounds":
+            found, written = (
+                numbers(runs.value(fields["run"], fields["key"])),
+                quoted(fields["value"]),
+            )
+            decimals = [len(n.partition(".")[2]) for n in written]
+            got = [f"{n:.{d}f}" for n, d in zip(found, decimals)]
+            assert len(found) == len(written) and got == written, f"{where}: the run gives {found}"
         elif kind == "between":
             found = numbers(runs.value(fields["run"], fields["key"]))
             low, high = float(fields["low"]), float(fields["high"])

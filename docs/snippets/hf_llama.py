@@ -66,9 +66,8 @@ class Net(nn.Module):
 
 
 def tp_plan(model, tp):
-    """The Llama's tensor-parallel plan: a ParallelStyle for each module name (Net's).
-    Heads split by columns, projections back by rows; the embedding and the tied head
-    by vocabulary (the weight's rows), the logits kept split for loss_parallel()."""
+    """The Llama's TP plan, by module name (Net's): heads by columns, projections back by
+    rows, the embedding and tied head by vocabulary, the logits kept split."""
     config = model.blocks[1].layer.self_attn.config  # the heads, read from the model
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % tp or kv_heads % tp:
