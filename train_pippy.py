@@ -150,6 +150,7 @@ def main():
                 checkpointer.refuse_divergence(progress.step, mean_loss)
                 progress.record_loss(mean_loss, "loss (last stage)", lr, norm)
                 window.clear()
+            progress.after_step()  # --profile-steps
             if checkpointer.is_due(progress.step, now=stop_signal):
                 for buffer in model.buffers():  # replica 0's statistics are saved
                     dist.broadcast(buffer, group=mesh.get_group("dp"), group_src=0)

@@ -12,7 +12,7 @@ from plumbing.watch import log
 
 class Profiler:
     """Starts after step A - 1 and writes trace-rank<N>.json after step B (watch.Progress calls
-    ``after_step`` as each step is counted); on a GPU, the memory timeline too."""
+    ``after_step`` once each step's collectives are done); on a GPU, the memory timeline too."""
 
     def __init__(self, args, device, start_step, total_steps):
         self.first, self.last = args.profile_steps

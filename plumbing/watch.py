@@ -52,6 +52,8 @@ class Progress:
     def count_step(self):
         self.step += 1
         self.bar.update()  # no device wait: the bar reads the host's clock
+
+    def after_step(self):  # the step's collectives done: --profile-steps' traces hold whole steps
         if self.profiler:
             self.profiler.after_step(self.step)
 

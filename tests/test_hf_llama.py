@@ -55,7 +55,8 @@ def function_source(text, name):
 def llama_copy(home, plan=None):
     """The README's copy of the four scripts with the snippet as mymodel.py, and train_tp.py's
     tp_plan() replaced by the snippet's (or by ``plan``)."""
-    project, _ = make_copy(home, ["train_ddp.py", "train_fsdp.py", "train_pippy.py", "train_tp.py"])
+    scripts = ["train_ddp.py", "train_fsdp.py", "train_pippy.py", "train_tp.py"]
+    project, _ = make_copy(home, scripts, ["checkpoint_dir"])  # its --checkpoint-dir
     text = SNIPPET.read_text()
     (project / "mymodel.py").write_text(text)
     script = (project / "train_tp.py").read_text()
