@@ -35,10 +35,10 @@ class _Parser(argparse.ArgumentParser):
         for flag, defaults in self.presets.items():  # {dest: {value: {dest: default}}}
             vars(namespace).update(defaults.get(getattr(first, flag), {}))  # a flag given wins
         namespace, rest = super().parse_known_args(args, namespace)
-        for flag in OPT_IN:  # before anything is built: a copy may have left the file behind
+        for flag in [f for f in OPT_IN if getattr(namespace, f, None)]:  # a copy may lack its file
             needs = [flag, "checkpoint_dir"] if flag == "resume_from" else [flag]
             lacks = [name for name in needs if not importlib.util.find_spec(f"plumbing.{name}")]
-            if getattr(namespace, flag, None) and lacks:
+            if lacks:
                 raise UsageError(
                     f"--{flag.replace('_', '-')} needs plumbing/{lacks[0]}.py, which this copy "
                     "lacks: copy that file from the project into your plumbing/"

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import (
     CONTROL_FLOOR,
+    ROOT,
     TOLERANCE,
     load_weights,
     python,
@@ -115,6 +116,14 @@ def test_the_gpt_trains_as_one_process_does_in_fp64(script, ranks, batch, flags,
     assert relative_difference(load_weights(paths["control"]), reference, initial) > CONTROL_FLOOR
     assert relative_difference(load_weights(paths["run"]), reference, initial) < TOLERANCE
     assert "the trained GPT writes 240 characters:" in run.output  # from the gathered weights
+    # The transformer page quotes FSDP's units and the pipeline's stages from these start lines.
+    page = " ".join((ROOT / "docs" / "transformer.md").read_text().split())
+    if script == "train_fsdp.py":
+        units, share = re.search(r"(\d+) units, the largest (\d+)% of", run.output).groups()
+        assert f"a unit, {units} in all. The largest, a transformer block, holds {share} %" in page
+    if script == "train_pippy.py" and ranks == 2:
+        stages = re.search(r"2 stages: blocks \[\[[^;]*?\]\]", run.output).group()
+        assert f"it prints `{stages}`" in page, stages
     if "--deterministic" in flags:  # said on the start line; no op lacks a deterministic kernel
         assert "fp64, deterministic; shakespeare" in run.output, run.output
         assert "does not have a deterministic implementation" not in run.output, run.output
