@@ -76,6 +76,7 @@ def main():
     if init_from := training.opt_in(args, "init_from"):  # plumbing/init_from.py
         init_from.load(model, args.init_from, log)  # collective
     param_count = sum(p.numel() for p in model.parameters())
+    training.check_data_fits(model, train_batches, test_batches)  # bad data: one line, now
     flops = watch.flops_per_sample(model, next(test_batches([0]))[0])
 
     # ---- wrap: shard each block (one all-gather unit each), then the root ----

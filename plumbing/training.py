@@ -5,8 +5,8 @@ import importlib
 import importlib.util
 import math
 import os
-import weakref
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -219,14 +219,11 @@ class Batches:
     Once the model is known (``expect``), its data is checked against it: all of a TensorDataset
     there, at once, else the first batch drawn."""
 
-    unchecked = weakref.WeakKeyDictionary()  # in order: ``expect`` checks them
-
     def __init__(self, dataset, batch_size, device, dtype, workers=0, seed=0):
         self.dataset, self.batch_size, self.device, self.dtype = dataset, batch_size, device, dtype
         self.order = []  # the DataLoader's sampler: each call fills it
         gather = isinstance(dataset, TensorDataset) and dataset.tensors[0].device == device
         self.expected = None  # what the model takes, for a DataLoader's first batch
-        Batches.unchecked[self] = None
         self.loader = None
         if workers or not gather:
             self.loader = DataLoader(
@@ -255,26 +252,52 @@ class Batches:
                 self.expected = None
             yield inputs, labels
 
-    @classmethod
-    def expect(cls, expected):
-        """What the model takes (``watch.flops_per_sample`` reads it off its logits): checks the
-        data of every Batches, now where it is a TensorDataset on the device (a sync a chunk)."""
-        for batches in list(cls.unchecked):
-            del cls.unchecked[batches]
-            if batches.loader is not None:  # its next batch
-                batches.expected = expected
-                continue
-            count, chunk = len(batches.dataset), 8192  # a chunk's copy: 25 MB of MNIST
-            for start in range(0, count, chunk):
-                rows = range(start, min(start + chunk, count))
-                index = torch.arange(rows.start, rows.stop, device=batches.device)
-                inputs, labels = batches.dataset[index]
-                check_data(inputs, labels, rows, expected)
+    def expect(self, expected):
+        """What the model takes (``check_data_fits``): a DataLoader's next batch is checked with
+        it, a TensorDataset on the device now, whole (a sync a chunk)."""
+        if self.loader is not None:
+            self.expected = expected
+            return
+        count, chunk = len(self.dataset), 8192  # a chunk's copy: 25 MB of MNIST
+        for start in range(0, count, chunk):
+            rows = range(start, min(start + chunk, count))
+            index = torch.arange(rows.start, rows.stop, device=self.device)
+            inputs, labels = self.dataset[index]
+            check_data(inputs, labels, rows, expected)
+
+
+def check_data_fits(model, train_batches, test_batches):
+    """Bad data refused in one line before the first step, where it would be a device-side assert
+    on a GPU, an IndexError or a traceback on a CPU. The model runs on the first test sample (its
+    token ids checked before its Embedding reads them), its logits say what it takes, and each
+    Batches checks its data against that (``expect``)."""
+    inputs = next(test_batches([0]))[0]
+    expected = {"inputs": list(inputs.shape[1:])}
+
+    def ids_in(name, module, args):  # before the Embedding the inputs index: their ids fit it?
+        if "embedding" not in expected and args and args[0] is inputs:
+            expected["embedding"] = (name, module.num_embeddings)
+            check_data(inputs, None, None, expected)
+
+    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)]
+    hooks = [m.register_forward_pre_hook(partial(ids_in, n)) for n, m in embeddings]
+    model.eval()  # BatchNorm takes one sample; no running statistic moves
+    with torch.no_grad():
+        logits = model(inputs)
+    for handle in hooks:  # (an error above ends the run)
+        handle.remove()
+    model.train()
+    if not torch.is_tensor(logits) or logits.dim() < 2:
+        raise UsageError(
+            f"your model's forward returned {type(logits).__name__}, not one tensor of logits "
+            "(..., classes): return only the logits (a Hugging Face model's output.logits)"
+        )
+    for batches in (train_batches, test_batches):
+        batches.expect(expected | {"logits": list(logits.shape[1:])})
 
 
 def check_data(inputs, labels, samples, expected):
-    """One line for data that does not fit the model (``watch.flops_per_sample``'s ``expected``),
-    before the first step: on a GPU a device-side assert, on a CPU an IndexError or a traceback.
+    """One line for data that does not fit the model (``check_data_fits``'s ``expected``).
     ``samples``: the data set's index of each row, or None; ``labels``: None, for ids alone."""
     checks = []  # (what, its tensor, how many the model has, what the model has, the fix)
     if expected.get("embedding") and not inputs.is_floating_point():

@@ -465,7 +465,7 @@ def test_a_warmup_longer_than_half_the_run_is_refused_and_the_default_one_is_sho
 
 
 # Data that does not fit the model, as in a copy of a script with a model of its own: found before
-# the first step (token ids where the model first runs, in watch.flops_per_sample; labels and
+# the first step (token ids where the model first runs, in training.check_data_fits; labels and
 # targets in the data held on the device, all of it), one line, exit code 2. Unfound, a GPU meets
 # them as a device-side assert, which used to be retried as "a collective failed", and a CPU as
 # an IndexError's traceback. A case: (the line that replaces models.build's in a copy of
