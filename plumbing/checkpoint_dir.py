@@ -110,11 +110,11 @@ class Checkpoints:
 
     def what_is_saved(self):
         """For a diverged run's line: the newest checkpoint, which the same command resumes."""
-        if not (complete := self.complete()):
+        if not (saved := self.complete()):
             return f"no checkpoint is in {self.directory}: a rerun starts from step 0"
-        newest = os.path.join(self.directory, complete[-1])
+        newest = os.path.join(self.directory, saved[-1])
         return (
-            f"nothing after {complete[-1]} was saved; the same command resumes from {newest}, "
+            f"nothing after {saved[-1]} was saved; the same command resumes from {newest}, "
             "which is finite, as every checkpoint is"
         )
 
@@ -124,16 +124,11 @@ class Checkpoints:
             states["cuda"] = torch.cuda.get_rng_state(self.device)
         return states
 
-    def _names(self, folder=None):
-        folder = folder or self.directory
-        return os.listdir(folder) if folder and os.path.isdir(folder) else []
-
-    def complete(self, folder=None):  # oldest first
-        names = [n for n in self._names(folder) if n.startswith("step-") and n[5:].isdigit()]
-        return sorted(names, key=lambda name: int(name[5:]))
+    def complete(self):  # oldest first
+        return complete(self.directory)
 
     def _remove_strays(self):  # crashed saves' .tmp-step-<N>
-        for stray in (n for n in self._names() if n.startswith(".tmp-step-")):
+        for stray in (n for n in _names(self.directory) if n.startswith(".tmp-step-")):
             shutil.rmtree(os.path.join(self.directory, stray), ignore_errors=True)
 
     def resume(self, model, optimizer, log, aliases=None):
@@ -223,6 +218,17 @@ class Checkpoints:
                 f"no intact checkpoint in {self.directory}: {faults}; restore one, "
                 "or use another --checkpoint-dir"
             )
+
+
+def _names(folder):
+    return os.listdir(folder) if folder and os.path.isdir(folder) else []
+
+
+def complete(folder):
+    """The complete checkpoints in ``folder``, oldest first: only a finished save is named
+    step-<N>, renamed from .tmp-step-<N> once written."""
+    names = [n for n in _names(folder) if n.startswith("step-") and n[5:].isdigit()]
+    return sorted(names, key=lambda name: int(name[5:]))
 
 
 def verify(path, layout=None):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from plumbing.checkpoint_dir import verify
+from plumbing.checkpoint_dir import complete, verify
 from plumbing.checkpoints import write_atomically
 from plumbing.failures import UsageError
 
@@ -29,13 +29,11 @@ def newest(directory):
         raise UsageError(f"{directory} is not a directory: give a step-<N> or a --checkpoint-dir")
     if os.path.exists(os.path.join(directory, "checkpoint.json")):
         return directory
-    # Only complete saves are named step-<N>, renamed from .tmp-step-<N> once written.
-    steps = [n for n in os.listdir(directory) if n.startswith("step-") and n[5:].isdigit()]
-    if not steps:
+    if not (steps := complete(directory)):
         raise UsageError(
             f"{directory} is not a checkpoint: it has no checkpoint.json and no step-<N>"
         )
-    return os.path.join(directory, max(steps, key=lambda n: int(n[5:])))
+    return os.path.join(directory, steps[-1])
 
 
 def consolidate(directory, out):

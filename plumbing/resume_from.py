@@ -3,7 +3,7 @@ the flag is given, so a copy without this file refuses the flag in one line)."""
 
 import os
 
-from plumbing.checkpoint_dir import unused_path, verify
+from plumbing.checkpoint_dir import complete, unused_path, verify
 from plumbing.failures import UsageError
 
 
@@ -35,7 +35,7 @@ def choose(checkpointer, found, log):
 def not_found(checkpointer, chosen, path):
     """The line for a ``path`` that is not there: the checkpoints that are, and why one is gone."""
     folder, name = os.path.split(os.path.normpath(path))
-    found = checkpointer.complete(folder or ".")
+    found = complete(folder or ".")
     line = f"--resume-from {chosen}: no such checkpoint; {folder or '.'} holds "
     line += f"{', '.join(found)}: resume from one of those" if found else "none"
     keep, step = checkpointer.args.keep_checkpoints, name.removeprefix("step-")
