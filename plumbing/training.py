@@ -2,7 +2,6 @@
 
 import argparse
 import importlib
-import importlib.util
 import math
 import os
 from contextlib import nullcontext
@@ -16,8 +15,8 @@ from plumbing.failures import NodeError, UsageError
 
 # Features a default run does not use, each in plumbing/<flag>.py and imported only when its flag is
 # given (nanoGPT's `if wandb_log: import wandb`): a copy carries only the files it uses.
-OPT_IN = ["checkpoint_dir", "init_from", "log_dir", "profile_steps", "metrics", "deterministic"]
-OPT_IN += ["resume_from"]  # which reads checkpoints: checkpoint_dir.py too
+OPT_IN = ["checkpoint_dir", "resume_from", "init_from", "log_dir", "profile_steps", "metrics"]
+OPT_IN += ["deterministic"]
 
 
 def opt_in(args, flag):
@@ -36,13 +35,15 @@ class _Parser(argparse.ArgumentParser):
             vars(namespace).update(defaults.get(getattr(first, flag), {}))  # a flag given wins
         namespace, rest = super().parse_known_args(args, namespace)
         for flag in [f for f in OPT_IN if getattr(namespace, f, None)]:  # a copy may lack its file
-            needs = [flag, "checkpoint_dir"] if flag == "resume_from" else [flag]
-            lacks = [name for name in needs if not importlib.util.find_spec(f"plumbing.{name}")]
-            if lacks:
+            try:  # and the files it imports (resume_from.py: checkpoint_dir.py)
+                importlib.import_module(f"plumbing.{flag}")
+            except ModuleNotFoundError as error:
+                if not (error.name or "").startswith("plumbing."):
+                    raise
                 raise UsageError(
-                    f"--{flag.replace('_', '-')} needs plumbing/{lacks[0]}.py, which this copy "
-                    "lacks: copy that file from the project into your plumbing/"
-                )
+                    f"--{flag.replace('_', '-')} needs {error.name.replace('.', '/')}.py, which "
+                    "this copy lacks: copy that file from the project into your plumbing/"
+                ) from None
         return namespace, rest
 
 

@@ -528,7 +528,8 @@ def test_the_readme_copies_the_core_by_name_and_lists_each_opt_in_file_with_its_
 def test_a_copy_of_the_core_alone_refuses_each_opt_in_flag_in_one_line(tmp_path):
     """The README's copy without its opt-in files: each opt-in flag is refused in one line naming
     the file to copy, by the copy's own parser, before anything is built; through its launcher, as
-    a user runs it, exit code 2. The control: with metrics.py copied, --metrics parses."""
+    a user runs it, exit code 2. With resume_from.py copied, --resume-from names the file that one
+    imports, checkpoint_dir.py. The control: with metrics.py copied, --metrics parses."""
     project, _ = make_copy(tmp_path, ["train_ddp.py"])
     values = {"profile_steps": "2:3", "deterministic": None}
     flags = {
@@ -542,18 +543,19 @@ def test_a_copy_of_the_core_alone_refuses_each_opt_in_flag_in_one_line(tmp_path)
         "    except failures.UsageError as error:\n        print(error)\n"
         "    else:\n        print('parsed')\n"
     )
-    lines = subprocess.run(
-        [sys.executable, "-c", probe, *(" ".join(f) for f in flags.values())],
-        cwd=project,
-        env=child_env(PYTHONPATH=project),
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.splitlines()
-    for (flag, given), line in zip(flags.items(), lines, strict=True):
-        needs = "checkpoint_dir" if flag == "resume_from" else flag  # resume_from.py's too
-        assert line.startswith(f"{given[0]} needs plumbing/") and "which this copy lacks" in line
-        assert line.split("needs plumbing/")[1].split(".py")[0] in (flag, needs), line
+
+    def parse(*given):  # each in the copy's own parser: its line
+        return subprocess.run(
+            [sys.executable, "-c", probe, *(" ".join(flags) for flags in given)],
+            cwd=project,
+            env=child_env(PYTHONPATH=project),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+
+    for (flag, given), line in zip(flags.items(), parse(*flags.values()), strict=True):
+        assert line.startswith(f"{given[0]} needs plumbing/{flag}.py, which this copy lacks"), line
     run = Run(
         [*copy_command()[:3], "--metrics", "m.json"], launcher_env(PYTHONPATH=project), project
     )
@@ -561,16 +563,13 @@ def test_a_copy_of_the_core_alone_refuses_each_opt_in_flag_in_one_line(tmp_path)
         run.wait(), "--metrics needs plumbing/metrics.py, which this copy lacks: copy that file"
     )
     assert run.returncode == 2 and not (project / "m.json").exists()
-    shutil.copy(ROOT / "plumbing" / "metrics.py", project / "plumbing")
-    probe_metrics = subprocess.run(
-        [sys.executable, "-c", probe, "--metrics m.json"],
-        cwd=project,
-        env=child_env(PYTHONPATH=project),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert probe_metrics.stdout == "parsed\n"
+    for name in ("resume_from", "metrics"):
+        shutil.copy(ROOT / "plumbing" / f"{name}.py", project / "plumbing")
+    assert parse(flags["resume_from"], ["--metrics", "m.json"]) == [
+        "--resume-from needs plumbing/checkpoint_dir.py, which this copy lacks: copy that file "
+        "from the project into your plumbing/",
+        "parsed",
+    ]
 
 
 @pytest.mark.parametrize("script", [*SCRIPTS, "train_tp.py"])
