@@ -196,9 +196,8 @@ def ending(failures):
             print(next(n["message"] for n in notes if n.get("here")), file=sys.stderr)
         return 2
     where = f" on {socket.gethostname()}"
-    if ranks := killed(
-        failures
-    ):  # the others failed because it had gone: their errors say only that
+    # A rank killed: the others failed because it had gone, and their errors say only that.
+    if ranks := killed(failures):
         rank, failure = min(ranks.items())
         name = failure.signal_name()
         why = ": out of memory? the kernel's log (dmesg) says" if name == "SIGKILL" else ""
