@@ -73,14 +73,14 @@ def main():
     # fully_shard keeps a shard of each (too big for a device: docs/fsdp.md)
     torch.manual_seed(args.seed)
     model = models.build(args, train_set, device, dtype)  # --model, for the data
-    if init_from := training.opt_in(args, "init_from"):  # plumbing/init_from.py
-        init_from.load(model, args.init_from, log)  # collective
     param_count = sum(p.numel() for p in model.parameters())
     training.check_data_fits(model, train_batches, test_batches)  # bad data: one line, now
     flops = watch.flops_per_sample(model, next(test_batches([0]))[0])
 
     # ---- wrap: shard each block (one all-gather unit each), then the root ----
     units = shard(model, args, mesh)  # in words, for the start line
+    if init_from := training.opt_in(args, "init_from"):  # plumbing/init_from.py
+        init_from.load(model, args.init_from, log)  # collective; each rank reads its parts
     optimizer = training.make_optimizer(args, model.parameters())
 
     # ---- resume: from the newest checkpoint, if any ----

@@ -88,14 +88,14 @@ def main():
     # parallelize() keeps a part of each (too big for a device: docs/fsdp.md)
     torch.manual_seed(args.seed)
     model = models.build(args, train_set, device, dtype)  # --model, for the data
-    if init_from := training.opt_in(args, "init_from"):  # plumbing/init_from.py
-        init_from.load(model, args.init_from, log)  # collective
     param_count = sum(p.numel() for p in model.parameters())
     training.check_data_fits(model, train_batches, test_batches)  # bad data: one line, now
     flops = watch.flops_per_sample(model, next(test_batches([0]))[0])
 
     # ---- wrap: split each layer across the tp ranks, then shard them over dp ----
     parallelize(model, args, mesh)
+    if init_from := training.opt_in(args, "init_from"):  # plumbing/init_from.py
+        init_from.load(model, args.init_from, log)  # collective; each rank reads its parts
     optimizer = training.make_optimizer(args, model.parameters())  # after the split: its parts
 
     # ---- resume: from the newest checkpoint, if any ----
