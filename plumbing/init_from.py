@@ -10,7 +10,9 @@ a DTensor's own rows and columns (FSDP's shard, TP's part), a pipeline stage's o
 """
 
 import json
+import math
 import os
+import struct
 
 import torch
 import torch.distributed as dist
@@ -72,19 +74,63 @@ class open_weights:
 
     def __enter__(self):
         if self.file.endswith(".safetensors"):
-            from safetensors import safe_open  # optional
-
-            self.handle = safe_open(self.file, "pt").__enter__()  # mapped: slices read alone
-            handle = self.handle
-            return lambda key, index: (
-                handle.get_slice(key)[index] if index else handle.get_tensor(key)
-            )
+            self.safetensors = Safetensors(self.file)
+            return self.safetensors.read
         state = torch.load(self.file, map_location="cpu", weights_only=True, mmap=True)
         return lambda key, index: state[key][index]
 
     def __exit__(self, *exc):
-        if hasattr(self, "handle"):
-            self.handle.__exit__(*exc)
+        if hasattr(self, "safetensors"):
+            os.close(self.safetensors.fd)
+
+
+class Safetensors:
+    """A .safetensors file read by hand, with pread: only the bytes of the rows (and, in a
+    matrix, the columns) asked for, into memory of this process's own; no mapping of the file
+    (safetensors' maps it whole, and a private mapping counts as this process's memory)."""
+
+    DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16}
+    DTYPES |= {"BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "BOOL": torch.bool}
+    DTYPES |= {"I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
+
+    def __init__(self, file):
+        self.fd = os.open(file, os.O_RDONLY)
+        (size,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+        self.header = json.loads(os.pread(self.fd, size, 8))
+        self.header.pop("__metadata__", None)
+        self.start = 8 + size
+
+    def shapes(self):
+        return {key: list(info["shape"]) for key, info in self.header.items()}
+
+    def read(self, key, index=()):
+        """Tensor ``key``'s part ``index`` (slices, one a dimension; () for all of it)."""
+        info = self.header[key]
+        dtype, shape = self.DTYPES[info["dtype"]], info["shape"]
+        if not shape:  # a scalar
+            return self._read(info["data_offsets"][0], 1, dtype).reshape(())
+        index = (*index, *(slice(0, n) for n in shape[len(index) :]))
+        row = math.prod(shape[1:]) * dtype.itemsize  # bytes
+        first, rows = index[0].start, index[0].stop - index[0].start
+        begin = info["data_offsets"][0] + first * row
+        if len(shape) == 2 and index[1] != slice(0, shape[1]):  # a column split: each row's part
+            columns = index[1].stop - index[1].start
+            parts = [
+                self._read(begin + r * row + index[1].start * dtype.itemsize, columns, dtype)
+                for r in range(rows)
+            ]
+            return torch.stack(parts) if parts else torch.empty(0, columns, dtype=dtype)
+        whole_rows = self._read(begin, rows * math.prod(shape[1:]), dtype)
+        return whole_rows.reshape(rows, *shape[1:])[(slice(None), *index[1:])]
+
+    def _read(self, offset, count, dtype):
+        data = bytearray(count * dtype.itemsize)  # read into: no second copy
+        view, done = memoryview(data), 0
+        while done < len(data):  # a read gives at most 2 GB
+            if not (got := os.preadv(self.fd, [view[done:]], self.start + offset + done)):
+                raise ValueError("the file is shorter than its header says")
+            done += got
+        return torch.frombuffer(data, dtype=dtype) if count else torch.empty(0, dtype=dtype)
 
 
 def check(path, shapes, ties):
@@ -168,9 +214,6 @@ def listing(path):
         if path.endswith(".safetensors"):
             return "safetensors", [path], safetensors_listing(path)
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except ImportError:
-        why = "reading .safetensors needs pip install safetensors"
-        raise UsageError(f"--init-from {path}: {why}") from None
     except Exception as error:  # the errors vary
         why = " ".join(str(error).split())[:200]
         raise UsageError(f"--init-from {path} is not a file of weights ({why})") from None
@@ -180,10 +223,12 @@ def listing(path):
 
 
 def safetensors_listing(file):
-    from safetensors import safe_open  # optional
-
-    with safe_open(file, "pt") as handle:  # the header only
-        return {key: (file, list(handle.get_slice(key).get_shape())) for key in handle.keys()}
+    """{name: (file, shape)} of a .safetensors file, from its header alone."""
+    reader = Safetensors(file)
+    try:
+        return {key: (file, shape) for key, shape in reader.shapes().items()}
+    finally:
+        os.close(reader.fd)
 
 
 def checkpoint_listing(checkpoint):

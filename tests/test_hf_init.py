@@ -2,6 +2,7 @@
 read into the README's copy of the scripts with the user's wrapper around a tiny tied,
 grouped-query LlamaForCausalLM (its names have the wrapper's ``lm.``, the file has no head)."""
 
+import json
 import sys
 
 import pytest
@@ -72,7 +73,7 @@ def pretrained(folder, seed=1):
 def llama_wrapper_copy(home):
     """The README's copy of the scripts, with init_from.py; the user's wrapper as mymodel.py."""
     scripts = ["train_ddp.py", "train_fsdp.py", "train_pippy.py", "train_tp.py"]
-    project, _ = make_copy(home, scripts, ["init_from"])
+    project, _ = make_copy(home, scripts, ["init_from", "checkpoint_dir"])
     (project / "mymodel.py").write_text(SNIPPET.read_text() + WRAPPER)
     script = (project / "train_tp.py").read_text()
     ours = function_source(script, "tp_plan")
@@ -112,18 +113,53 @@ def test_fsdp_and_tp_start_from_a_sharded_hugging_face_folder(name, llama):
         assert saved.keys() == {f"lm.{key}" for key in weights}, name
         for key, tensor in weights.items():
             assert torch.equal(saved[f"lm.{key}"], tensor), (name, key)
+    assert_back_in_hugging_face(project, f"{name}.pt", torch.float32, trained=False)
+
+
+def assert_back_in_hugging_face(project, source, dtype, save=None, trained=True):
+    """``python plumbing/consolidate.py SOURCE back --like pretrained`` (the README's copy runs it
+    as a plain script): shards and an index with the folder's names, no head; from_pretrained of
+    it gives the logits of the Llama with --save's weights (``save``, or ``source``), bitwise."""
+    from transformers import LlamaForCausalLM
+
+    command = [sys.executable, "plumbing/consolidate.py", source, "back", "--like", "pretrained"]
+    succeeded(Run([*command, "--max-shard-size", "0.05"], child_env(PYTHONPATH=project), project))
+    index = json.loads((project / "back" / "model.safetensors.index.json").read_text())
+    assert (
+        "lm_head.weight" not in index["weight_map"] and len(set(index["weight_map"].values())) > 2
+    )
+    assert (project / "back" / "config.json").exists()
+    back = LlamaForCausalLM.from_pretrained(project / "back", dtype=dtype).eval()
+    saved = load_weights(project / (save or source))
+    model = LlamaForCausalLM.from_pretrained(project / "pretrained", dtype=dtype).eval()
+    model.load_state_dict({name.removeprefix("lm."): t for name, t in saved.items()})
+    ids = torch.arange(30).reshape(2, 15) % 64
+    with torch.no_grad():  # summation orders may differ in the last bit (2e-16 in fp64)
+        logits, expected = back(ids).logits, model(ids).logits
+        untrained = LlamaForCausalLM.from_pretrained(project / "pretrained", dtype=dtype)(
+            ids
+        ).logits
+    torch.testing.assert_close(
+        logits, expected, rtol=1e-12 if dtype == torch.float64 else 0, atol=0
+    )
+    if trained:  # the control: from_pretrained's logits before training differ
+        assert (untrained - expected).abs().max() > 1e-3
+    for name, tensor in model.state_dict().items():  # and the weights are the trained ones
+        assert torch.equal(back.state_dict()[name], tensor), name
 
 
 @pytest.mark.slow  # four launches
 def test_ten_fp64_steps_from_the_folder_equal_one_process(llama):
-    """From the sharded folder, 10 fp64 steps of DDP on 2 ranks, FSDP on 2 and TP 2 end where one
-    process ends; the control, one process from the seed instead, ends far away."""
+    """From the sharded folder, 10 fp64 steps of FSDP on 2 ranks and TP 2 end where one process
+    ends; the control, one process from the seed instead, ends far away. The trained weights, from
+    --save's file and from the checkpoint, go back to Hugging Face: from_pretrained's logits are
+    the script's."""
     project, weights = llama
     env = child_env(PYTHONPATH=project)
-    common = ["--precision", "fp64", "--max-steps", "10", "--no-eval", "--batch-size", "32"]
+    common = ["--precision", "fp64", "--max-steps", "10", "--no-eval", "--checkpoint-every", "10"]
     layouts = {
         "one": [sys.executable, "train_ddp.py", "--batch-size", "64"],
-        "fsdp": [*TWO, "train_fsdp.py"],
+        "fsdp": [*TWO, "train_fsdp.py", "--batch-size", "32", "--checkpoint-dir", "ck"],
         "tp": [*TWO, "train_tp.py", "--tp", "2", "--batch-size", "64"],
     }
     for name, command in layouts.items():
@@ -138,6 +174,12 @@ def test_ten_fp64_steps_from_the_folder_equal_one_process(llama):
         assert difference < 1e-6, (name, difference)
     apart = relative_difference(load_weights(project / "c.pt"), one, initial)
     assert apart > CONTROL_FLOOR, apart
+    assert_back_in_hugging_face(project, "fsdp-10.pt", torch.float64)
+    assert_back_in_hugging_face(project, "ck", torch.float64, "fsdp-10.pt")  # its checkpoint
+    assert not torch.equal(
+        load_weights(project / "fsdp-10.pt")["lm.model.norm.weight"].float(),
+        weights["model.norm.weight"],
+    )
 
 
 def shapes_of(state):
