@@ -50,9 +50,23 @@ def newest(directory):
 
 def consolidate(directory, out):
     """Write the model of ``directory`` (see newest) to ``out``; return a line that says what."""
-    path = newest(directory)
+    path, info, tensors = consolidated(directory)
+    # As --save, not by save_on_rank_0: its finite check holds temporaries up to 3 x the largest
+    # tensor, and Checkpointer.save saved finite ones.
+    size = sum(t.nbytes for t in tensors.values())
+    write_atomically(out, lambda file: torch.save(tensors, file), size)
+    return (
+        f"wrote {out}: the model of {path} (step {info['step']}, saved by "
+        f"{info['layout']['world_size']} rank(s)), {len(tensors)} tensors, {size / 1e6:.1f} MB"
+    )
+
+
+def consolidated(directory):
+    """(the checkpoint, its checkpoint.json, its model's tensors by name) of ``directory`` (see
+    newest), once its SHA-256s are checked."""
     from plumbing.checkpoint_dir import verify
 
+    path = newest(directory)
     info, problem = verify(path)  # each file's size and SHA-256
     if problem:  # DCP has no checksum: it would read damaged bytes as weights
         raise UsageError(f"checkpoint {path} is damaged ({problem}): nothing was written")
@@ -71,18 +85,10 @@ def consolidate(directory, out):
             )
     if not tensors:
         raise UsageError(f"checkpoint {path} holds no {PREFIX}* tensors: not one of these scripts'")
-    state = {"model": tensors}
     with warnings.catch_warnings():  # one process, no group: as intended
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=path, no_dist=True)  # one process: no collective
-    # As --save, not by save_on_rank_0: its finite check holds temporaries up to 3 x the largest
-    # tensor, and Checkpointer.save saved finite ones.
-    size = sum(t.nbytes for t in tensors.values())
-    write_atomically(out, lambda file: torch.save(state["model"], file), size)
-    return (
-        f"wrote {out}: the model of {path} (step {info['step']}, saved by "
-        f"{info['layout']['world_size']} rank(s)), {len(tensors)} tensors, {size / 1e6:.1f} MB"
-    )
+        dcp.load({"model": tensors}, checkpoint_id=path, no_dist=True)  # one process: no collective
+    return path, info, tensors
 
 
 def to_hugging_face(source, out, like, max_shard_bytes):
@@ -95,14 +101,7 @@ def to_hugging_face(source, out, like, max_shard_bytes):
     if os.path.isfile(source):
         state = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
     else:
-        path = newest(source)
-        from plumbing.checkpoint_dir import verify
-
-        if problem := verify(path)[1]:
-            raise UsageError(f"checkpoint {path} is damaged ({problem}): nothing was written")
-        with warnings.catch_warnings():  # one process, no group: as intended
-            warnings.simplefilter("ignore", UserWarning)
-            state = consolidated(path)
+        state = consolidated(source)[2]
     ties = {}  # each name: the first name whose tensor it equals (a tied weight, saved twice)
     for name, tensor in state.items():
         same = (n for n, t in state.items() if t.shape == tensor.shape and torch.equal(t, tensor))
@@ -139,18 +138,6 @@ def to_hugging_face(source, out, like, max_shard_bytes):
 def weighty(file):
     """A file of weights, which the trained ones replace."""
     return file.endswith((".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json"))
-
-
-def consolidated(path):
-    """The model of checkpoint ``path``, by name (one process, no group)."""
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    tensors = {
-        k[len(PREFIX) :]: torch.empty(v.size, dtype=v.properties.dtype)
-        for k, v in metadata.items()
-        if k.startswith(PREFIX) and isinstance(v, TensorStorageMetadata)
-    }
-    dcp.load({"model": tensors}, checkpoint_id=path, no_dist=True)  # one process: no collective
-    return tensors
 
 
 def main(argv=None):
