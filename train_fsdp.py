@@ -17,7 +17,9 @@ What FSDP changes compared with train_ddp.py:
 Every collective is called here, or in a call marked "collective".
 """
 
+import contextlib
 import os
+import resource
 
 import torch
 import torch.distributed as dist
@@ -33,6 +35,8 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 from torch.utils.data.distributed import DistributedSampler
 
 import models
@@ -69,18 +73,19 @@ def main():
     train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
     test_batches = training.Batches(test_set, 512, device, dtype, args.workers)
 
-    # ---- model: whole on every rank, from the seed, as in train_ddp.py ----
-    # fully_shard keeps a shard of each (too big for a device: docs/fsdp.md)
+    # ---- model: its parameters on meta (no memory) until each rank fills its own part ----
     torch.manual_seed(args.seed)
-    model = models.build(args, train_set, device, dtype)  # --model, for the data
-    if init_from := training.opt_in(args, "init_from"):  # plumbing/init_from.py
-        init_from.load(model, args.init_from, log)  # collective
+    with parameters_on_meta():
+        model = models.build(args, train_set, device, dtype)  # --model, for the data
+    if not (fill := filled_by(model, args)):  # nothing fills a part: whole, as train_ddp.py
+        model = models.build(args, train_set, device, dtype)  # --model, for the data
     param_count = sum(p.numel() for p in model.parameters())
     training.check_data_fits(model, train_batches, test_batches)  # bad data: one line, now
-    flops = watch.flops_per_sample(model, next(test_batches([0]))[0])
+    flops = watch.flops_per_sample(model, on(model, next(test_batches([0]))[0]))
 
     # ---- wrap: shard each block (one all-gather unit each), then the root ----
     units = shard(model, args, mesh)  # in words, for the start line
+    materialize(model, device, args, fill, log)  # collective: each rank fills its part
     optimizer = training.make_optimizer(args, model.parameters())
 
     # ---- resume: from the newest checkpoint, if any ----
@@ -88,7 +93,7 @@ def main():
     recompute = ", activation checkpointing" if args.activation_checkpointing else ""
     what = f"FSDP ({args.sharding}{recompute}, mesh {tuple(mesh.shape)}, {units})"
     figures = watch.describe(args, plan, param_count, flops)
-    log(f"{what} on {world_size} rank(s) ({backend}, {device.type}): {figures}")
+    log(f"{what} on {world_size} rank(s) ({backend}, {device.type}): {figures}; {BUILT[fill]}")
 
     # ---- train loop ----
     progress = watch.Progress(plan, args, device, resumed["step"])  # --log-dir, --profile-steps
@@ -284,6 +289,97 @@ def shard_units(model):
     share, count = max(sizes) / sum(sizes), sum(map(bool, sizes))
     words = f"{count} units, the largest {share:.0%} of the parameters"
     return [unit for unit, size in zip(units, sizes) if size], words
+
+
+BUILT = {  # the start line's words on how the model was built
+    None: "built whole: your model has no reset_parameters() to fill a part (docs/fsdp.md)",
+    "seed": "built on meta, each rank's part filled from the seed",
+    "init_from": "built on meta, each rank's part read from --init-from",
+}
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Each parameter a module registers inside goes to the meta device: a shape, no memory (one
+    parameter is real at a time, as it is made); buffers stay real; .to() keeps meta on meta."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        with KeepMeta():
+            yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+class KeepMeta(TorchFunctionMode):
+    """``tensor.to(device, dtype)`` of a meta tensor: only the dtype changes (Module.to)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and args[0].is_meta:
+            given = [*args[1:], kwargs.get("dtype")]
+            dtype = next((a for a in given if isinstance(a, torch.dtype)), args[0].dtype)
+            return func(args[0], dtype=dtype)
+        return func(*args, **kwargs)
+
+
+class PartsOfWhole(TorchFunctionMode):
+    """In a model's init: a whole tensor copied into a DTensor fills this rank's part of it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_ and isinstance(args[0], DTensor):
+            if not isinstance(args[1], DTensor):
+                (chunk,) = args[0].__create_chunk_list__()  # its offsets in the whole
+                index = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+                args[0].to_local().copy_(args[1][index])
+                return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def filled_by(model, args):
+    """How a model built on meta gets its values; None if nothing fills a part: build it whole,
+    from the seed, set again here."""
+    if args.init_from:
+        return "init_from"
+    if hasattr(model, "reset_parameters"):
+        return "seed"
+    torch.manual_seed(args.seed)
+    return None
+
+
+def on(model, inputs):
+    """``inputs`` on the device of the model's parameters: meta, until they are filled."""
+    return inputs.to("meta") if next(model.parameters()).is_meta else inputs
+
+
+def materialize(model, device, args, fill, log):
+    """Collective: allocate each rank's part of every parameter (``to_empty``)
+    and fill it, from the file or as the model's reset_parameters() fills the whole, from the
+    seed; the buffers, real all along, kept. Nothing for a model built whole (``fill`` None)."""
+    if not fill:
+        return
+    buffers = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
+    model.to_empty(device=device)
+    for module, name, buffer in buffers:
+        module._buffers[name] = buffer.to(device)
+    if fill == "init_from":  # plumbing/init_from.py
+        training.opt_in(args, "init_from").load(model, args.init_from, log)  # collective
+    else:  # bitwise the values of a whole build: each parameter drawn whole, its part kept
+        torch.manual_seed(args.seed)
+        with torch.no_grad(), PartsOfWhole():
+            model.reset_parameters()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB; RSS
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)  # collective
+    log(f"each rank's peak memory once filled: {', '.join(f'{p / 1e6:,.0f}' for p in peaks)} MB")
 
 
 def clip_grad_norm(model, max_norm):

@@ -49,7 +49,7 @@ import models
 from models import data
 from plumbing import checkpoints, failures, training, watch
 from plumbing.watch import log
-from train_fsdp import shard_units
+from train_fsdp import BUILT, filled_by, materialize, on, parameters_on_meta, shard_units
 
 # A query, key and value in one Linear: GPT-2's c_attn, qkv_proj, query_key_value, in_proj
 FUSED = re.compile(r"qkv|c_attn|query_key_value|in_proj", re.IGNORECASE)
@@ -84,25 +84,26 @@ def main():
     train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
     test_batches = training.Batches(test_set, 512, device, dtype, args.workers)
 
-    # ---- model: whole on every rank, from the seed, as in train_ddp.py ----
-    # parallelize() keeps a part of each (too big for a device: docs/fsdp.md)
+    # ---- model: its parameters on meta (no memory) until each rank fills its own part ----
     torch.manual_seed(args.seed)
-    model = models.build(args, train_set, device, dtype)  # --model, for the data
-    if init_from := training.opt_in(args, "init_from"):  # plumbing/init_from.py
-        init_from.load(model, args.init_from, log)  # collective
+    with parameters_on_meta():
+        model = models.build(args, train_set, device, dtype)  # --model, for the data
+    if not (fill := filled_by(model, args)):  # nothing fills a part: whole, as train_ddp.py
+        model = models.build(args, train_set, device, dtype)  # --model, for the data
     param_count = sum(p.numel() for p in model.parameters())
     training.check_data_fits(model, train_batches, test_batches)  # bad data: one line, now
-    flops = watch.flops_per_sample(model, next(test_batches([0]))[0])
+    flops = watch.flops_per_sample(model, on(model, next(test_batches([0]))[0]))
 
     # ---- wrap: split each layer across the tp ranks, then shard them over dp ----
     parallelize(model, args, mesh)
+    materialize(model, device, args, fill, log)  # collective: each rank fills its part
     optimizer = training.make_optimizer(args, model.parameters())  # after the split: its parts
 
     # ---- resume: from the newest checkpoint, if any ----
     resumed = checkpointer.resume(model, optimizer, log)  # collective
     what = f"TP {args.tp} x FSDP {dp} (mesh (dp, tp) {tuple(mesh.shape)}) on {world_size} rank(s)"
     figures = watch.describe(args, plan, param_count, flops, "tp group")
-    log(f"{what} ({backend}, {device.type}): {figures}")
+    log(f"{what} ({backend}, {device.type}): {figures}; {BUILT[fill]}")
 
     # ---- train loop ----
     progress = watch.Progress(plan, args, device, resumed["step"])  # --log-dir, --profile-steps

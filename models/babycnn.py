@@ -21,7 +21,7 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 
 class ConvBlock(nn.Module):
@@ -78,7 +78,7 @@ class BabyCNN(nn.Module):
             ConvBlock(2 * c, 4 * c, pool=False, device=device, dtype=dtype),
             Head(4 * c, feature_size, num_classes, device=device, dtype=dtype),
         )
-        if torch.device(device or "cpu").type != "meta":  # meta: the caller's, after to_empty
+        if not next(self.parameters()).is_meta:  # meta: the caller's, after to_empty
             self.reset_parameters()
 
     def forward(self, x):
@@ -92,18 +92,13 @@ class BabyCNN(nn.Module):
 
 
 def _local_rows(param):
-    """The tensor this rank holds for ``param`` and the global index of its first row."""
+    """The tensor this rank holds for ``param``, the global index of its first row, and which part
+    of each row it holds (a DTensor's chunk: FSDP's rows, TP's rows or columns)."""
     if not isinstance(param, DTensor):
-        return param, 0
-    offset = 0
-    for mesh_dim, placement in enumerate(param.placements):
-        if isinstance(placement, Shard):
-            if placement.dim != 0:
-                raise ValueError("BabyCNN's initialiser handles parameters sharded on dim 0 only")
-            # FSDP2 shards like torch.chunk: every rank but the last ones holds ceil(n / k) rows.
-            rows_per_rank = math.ceil(param.shape[0] / param.device_mesh.size(mesh_dim))
-            offset += rows_per_rank * param.device_mesh.get_local_rank(mesh_dim)
-    return param.to_local(), offset
+        return param, 0, ()
+    (chunk,) = param.__create_chunk_list__()  # its offsets and sizes in the whole
+    columns = tuple(slice(o, o + n) for o, n in zip(chunk.offsets[1:], chunk.sizes[1:]))
+    return param.to_local(), chunk.offsets[0], columns
 
 
 @torch.no_grad()
@@ -115,16 +110,16 @@ def init_block(block, block_index):
     exactly the float32 model's weights."""
     base_seed = torch.initial_seed()
     for name, param in block.named_parameters():
-        local, first_row = _local_rows(param)
+        local, first_row, columns = _local_rows(param)
         if name.endswith("bias"):
             local.zero_()
             continue
         fan_in = math.prod(param.shape[1:])
         gain = 1.0 if name.startswith("fc") else 2.0
         bound = math.sqrt(3.0 * gain / fan_in)
-        values = torch.empty(local.shape, dtype=torch.float32)
+        values = torch.empty(local.shape[0], *param.shape[1:], dtype=torch.float32)  # whole rows
         for row in range(local.shape[0]):
             key = f"{base_seed}/blocks.{block_index}.{name}/{first_row + row}".encode()
             row_seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
             values[row].uniform_(-bound, bound, generator=torch.Generator().manual_seed(row_seed))
-        local.copy_(values)
+        local.copy_(values[(slice(None), *columns)])

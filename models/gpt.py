@@ -165,7 +165,7 @@ class GPT(nn.Module):
             *(Block(n_embd, n_head, dropout, **kw) for _ in range(n_layer)),
             Head(n_embd, vocab_size, **kw),
         )
-        if torch.device(device or "cpu").type != "meta":  # meta: the caller's, after to_empty
+        if not next(self.parameters()).is_meta:  # meta: the caller's, after to_empty
             self.reset_parameters()
 
     def forward(self, ids):

@@ -1,6 +1,5 @@
 """--init-from: a run starts from the weights in one file, under every strategy, with a fresh
-optimizer and lr schedule. Rank 0 reads the file and broadcasts each weight, so a node holds it
-once, not once per rank."""
+optimizer and lr schedule. Each rank reads what it holds: under FSDP and TP only its own parts."""
 
 import pytest
 import torch

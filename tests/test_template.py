@@ -40,8 +40,11 @@ SCRIPTS = ["train_ddp.py", "train_fsdp.py", "train_pippy.py"]
 # --log-dir, --profile-steps (as --deterministic was). Its budgets: the DDP core at most 1,180
 # lines and 59 kB (1,095 and 56.2 kB then), FSDP's 1,290 (1,218), the pipeline's 1,485 (1,463);
 # train_tp.py's is held at its own core then (1,705, train_fsdp.py's included).
-MAX_FORMATTED = {"train_ddp.py": 1180, "train_fsdp.py": 1290, "train_pippy.py": 1485}
-MAX_FORMATTED["train_tp.py"] = 1705
+# Issue 61 builds FSDP's and TP's models on meta and fills each rank's part (train_fsdp.py's
+# parameters_on_meta, KeepMeta, PartsOfWhole, materialize; train_tp.py imports them): FSDP's core
+# 1,315, TP's 1,803.
+MAX_FORMATTED = {"train_ddp.py": 1180, "train_fsdp.py": 1315, "train_pippy.py": 1485}
+MAX_FORMATTED["train_tp.py"] = 1803
 MAX_DDP_BYTES = 59_000
 # Collective calls outside the scripts: 7 since issue 42, whose --init-from broadcasts (behind a
 # call marked collective) and whose plumbing/consolidate.py calls dcp.load without a process group
@@ -82,8 +85,9 @@ def fenced(section, language):
 
 
 def apply_diff(text, diff):
-    """Apply a README ```diff block: each run of '-' lines (found once in ``text``) becomes the '+'
-    lines after it; any other line (" ...") ends a run."""
+    """Apply a README ```diff block: each run of '-' lines (found in ``text``; every place it is,
+    as FSDP's build line, twice) becomes the '+' lines after it; any other line (" ...") ends a
+    run."""
     hunks = []
     for line in diff.splitlines():
         if line[:1] not in ("-", "+"):
@@ -95,7 +99,7 @@ def apply_diff(text, diff):
     for removed, added in hunks:
         old = "".join(line + "\n" for line in removed)
         assert not added or removed, f"'+' lines with nothing to replace: {added}"
-        assert text.count(old) == 1, f"the README's diff expects this once in the script:\n{old}"
+        assert text.count(old), f"the README's diff expects this in the script:\n{old}"
         text = text.replace(old, "".join(line + "\n" for line in added))
     return text
 
