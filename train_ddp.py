@@ -156,7 +156,7 @@ def compile_model(model, args, device):
     if not args.compile:
         return False
     graphs = device.type == "cuda" and getattr(args, "model", None) == "cnn"  # a copy: none
-    model.compile(mode="reduce-overhead" if graphs else None)
+    model.compile(mode="reduce-overhead" if graphs else None, dynamic=False)  # static shapes
     keep_grads = graphs and args.grad_accum > 1
     for p in model.parameters() if keep_grads else ():
         p.grad = torch.zeros_like(p)

@@ -252,7 +252,7 @@ def shard(model, args, mesh):
         # Checkpointing, compile, fully_shard: torchtitan's order. The compiled graph holds the
         # recomputation, and FSDP's gathers stay hooks around it. In place: names stay.
         if args.compile:
-            block.compile()
+            block.compile(dynamic=False)  # static shapes; the evaluation runs eager
         # Backward starts with the last block: resharding it would only regather.
         last = index == len(units) - 1
         fully_shard(block, reshard_after_forward=reshard and not last, **options)

@@ -253,15 +253,15 @@ def tp_plan(model, tp):
     """The GPT's tensor-parallel plan: a ParallelStyle for each module name (models/gpt.py's).
     For your model, write its own: docs/transformer.md has a Hugging Face Llama's.
 
-    In each block, query, key and value split column-wise (a rank computes whole
-    heads), the output projection row-wise: one reduce-scatter of its partial sums;
-    the MLP likewise. Between blocks the residual stream stays split by positions,
+    In each block, qkv splits column-wise (its rows ordered by head: a rank computes
+    whole heads), the output projection row-wise: one reduce-scatter of its partial
+    sums; the MLP likewise. Between blocks the residual stream stays split by positions,
     Shard(1) (sequence parallelism): norms and dropouts work on 1/tp of them, and
     each norm's output is all-gathered once for the attention or the MLP. The head
     splits the vocabulary and keeps its logits split, for loss_parallel().
     """
     attention = model.blocks[1].attn  # the heads, read from the model
-    heads = attention.query.out_features // attention.head_dim
+    heads = attention.qkv.out_features // (3 * attention.head_dim)
     if heads % tp:
         raise failures.UsageError(f"--tp {tp} must divide the GPT's {heads} heads")
     positions = Shard(1)  # of (batch, positions, n_embd): the residual stream
@@ -278,15 +278,12 @@ def tp_plan(model, tp):
         ),
         "blocks.0.dropout": SequenceParallel(),
     }
-    # PrepareModuleInput gathers the positions once for query, key and value (each
-    # ColwiseParallel would gather again); use_local_output=False keeps the residual
-    # stream a DTensor, so that x + attn(x) adds like placements.
+    # PrepareModuleInput gathers the positions once for the attention and the MLP;
+    # use_local_output=False keeps the stream a DTensor: x + attn(x) adds like placements.
     block = {
         "attn_norm": SequenceParallel(),
         "attn": PrepareModuleInput(input_layouts=positions, desired_input_layouts=whole),
-        "attn.query": ColwiseParallel(),
-        "attn.key": ColwiseParallel(),
-        "attn.value": ColwiseParallel(),
+        "attn.qkv": ColwiseParallel(),
         "attn.proj": RowwiseParallel(output_layouts=positions, use_local_output=False),
         "attn.resid_dropout": SequenceParallel(),
         "mlp_norm": SequenceParallel(),
@@ -332,11 +329,13 @@ def checked(make_plan, model, tp):
                 "RowwiseParallel split nn.Linear and nn.Embedding only: make it an nn.Linear "
                 "(a Hugging Face Conv1D holds the transpose of a Linear's weight)"
             )
-        if splits and FUSED.search(name.rpartition(".")[2]):
+        by_head = getattr(module, "rows_by_head", False)  # the GPT's qkv: whole heads a rank
+        if splits and FUSED.search(name.rpartition(".")[2]) and not by_head:
             raise failures.UsageError(
                 f"the TP plan splits {name}, which computes query, key and value in one "
                 "matrix: a split by rows gives a rank all the queries and none of the values; "
-                "make three nn.Linears of it, or split it by head (docs/transformer.md)"
+                "make three nn.Linears of it, or order its rows by head and set its "
+                "rows_by_head = True (docs/transformer.md)"
             )
     return plan
 

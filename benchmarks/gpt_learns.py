@@ -15,13 +15,14 @@ Training seconds are wall seconds without the evaluations; "cpu_seconds" is the 
 time over the same spans, which is what the training would take on a core of its own when the
 machine is shared (the wall clock then counts other processes' turns too).
 
-Measured (benchmarks/results/gpt_learns.json: torch 2.14.1, one thread of a 2-core Xeon shared at
-a load of 8 to 10). The defaults: nanoGPT's CPU model (4 layers, 4 heads, 128 wide, context 64,
-0.82 M parameters), batch 32, core's default AdamW (lr 3e-3, weight decay 0.01), 30 warmup steps,
-a cosine to 0 over 900 steps (1.84 epochs, 1.8 M tokens): validation loss 1.827 and 1.837 (seeds
-0 and 1) in 121 and 123 s of CPU, about 0.135 s a step. Shorter runs miss by a seed's variance:
-700 steps gave 1.884 and 1.910 (94 and 98 s), 600 steps 1.937. nanoGPT's own figure for its
-recipe is about 1.88 after 2,000 steps of batch 12 (1.5 M tokens).
+Measured (benchmarks/results/gpt_learns.json: torch 2.14.1, one thread of a 2-core Xeon shared at a
+load of 8 to 10), before issue 62 made the GPT nanoGPT's model (its biases, an untied head). The
+defaults: nanoGPT's CPU size (4 layers, 4 heads, 128 wide, context 64, then 0.82 M parameters),
+batch 32, core's default AdamW (lr 3e-3, weight decay 0.01), 30 warmup steps, a cosine to 0 over 900
+steps (1.84 epochs, 1.8 M tokens): validation loss 1.827 and 1.837 (seeds 0 and 1) in 121 and 123 s
+of CPU, about 0.135 s a step. Shorter runs miss by a seed's variance: 700 steps gave 1.884 and 1.910
+(94 and 98 s), 600 steps 1.937. nanoGPT's own figure for its recipe is about 1.88 after 2,000 steps
+of batch 12 (1.5 M tokens).
 """
 
 import argparse

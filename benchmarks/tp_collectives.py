@@ -21,9 +21,10 @@ MLP, and the head (2L + 1); loss_parallel()'s 3 all-reduces (the logits' max, th
 exponentials, the target's logit, each over the vocabulary's split). In backward, each becomes the
 other: an all-gather for each reduce-scatter (2L + 2; the embeddings' too, whose weights need the
 whole gradient) and a reduce-scatter for each all-gather (2L + 1); and an all-reduce for each
-norm's weight and bias (2 (2L + 1)): a norm works on 1/tp of the positions, so the gradient of its
-replicated weight is a partial sum (FSDP reduces it before its own reduce-scatter). FSDP over dp > 1
-as for BabyCNN, with L + 2 blocks (the embedding, L blocks, the head). Rank 0 prints one JSON line.
+norm's weight (2L + 1; no biases): a norm works on 1/tp of the positions, so the gradient of its
+replicated weight is a partial sum (FSDP reduces it before its own reduce-scatter). FSDP over
+dp > 1: L + 1 units (L blocks, and the root, which holds the embedding and the head that share the
+token table), as for BabyCNN's blocks. Rank 0 prints one JSON line.
 """
 
 import argparse
@@ -67,12 +68,12 @@ def predict(model, dp, tp):
     """The docstring's prediction: ({collective: calls} in forward, the same in backward)."""
     forward, backward = {}, {}
     if model == "gpt":
-        blocks, layers = 6, 4  # FSDP's units: the embedding, 4 blocks, the head
+        blocks, layers = 5, 4  # FSDP's units: 4 blocks, the root (the embedding and the head)
         if tp > 1:
             forward = {"all_gather": 2 * layers + 1, "reduce_scatter": 2 * layers + 2}
             forward["all_reduce"] = 3
             backward = {"all_gather": 2 * layers + 2, "reduce_scatter": 2 * layers + 1}
-            backward["all_reduce"] = 2 * (2 * layers + 1)
+            backward["all_reduce"] = 2 * layers + 1
     else:
         blocks = 4
         forward, backward = {"all_reduce": 4}, {"all_reduce": 3}

@@ -86,7 +86,7 @@ def add_arguments(parser):
         choices=("cnn", *GPT_CONTEXT),
         default="cnn",
         help="cnn: BabyCNN on images; gpt: the character-level GPT on Tiny Shakespeare at "
-        "nanoGPT's CPU size (0.82 M parameters), gpt-gpu at its GPU size (10.8 M); each GPT sets "
+        "nanoGPT's CPU size (0.80 M parameters), gpt-gpu at its GPU size (10.7 M); each GPT sets "
         f"its recipe's defaults ({recipes})",
     )
     add(

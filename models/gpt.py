@@ -14,17 +14,15 @@ contiguous stages and refuses a forward that does anything besides running them 
 the model anywhere: the first stage takes the ids, the last returns the logits. DDP replicates it
 whole and FSDP shards it block by block, as they do BabyCNN.
 
-Query, key and value are three Linears, not nanoGPT's one fused (3 x n_embd) projection: a
-tensor-parallel plan splits a Linear's output columns into contiguous chunks, which on the fused
-matrix would give one rank all the queries and another the values; split separately, each rank
-holds whole heads of all three. The attention reshapes by ``head_dim`` (-1 heads) so the same code
-runs on a rank that holds only some heads.
-
-The token embedding and the head are not tied (nanoGPT ties them), so that each block's weights
-are its own. The scripts keep a tied model's weight one (tests/test_hf_llama.py): a pipeline, whose
-first and last stages each hold a copy, sums their gradients every step; FSDP shards the weight in
-a unit around both blocks; TP ties the split parts again. Untied, it costs vocab_size x n_embd
-parameters: 8,320 of the default's 0.82 M.
+It is nanoGPT's model: no biases (on its Linears and LayerNorms), the head tied to the token
+embedding (one weight, the head's logits the embedding's rows), and query, key and value computed
+by one Linear, ``qkv``. Its output rows are ordered by head (head 0's query, key and value, then
+head 1's...), not nanoGPT's (all queries, all keys, all values): a tensor-parallel plan splits a
+Linear's output rows into contiguous chunks, so each rank holds whole heads of all three. The
+attention reshapes by ``head_dim`` (-1 heads) so the same code runs on a rank that holds only some
+heads. The scripts keep the tied weight one (tests/test_gpt_training.py): a pipeline, whose first
+and last stages each hold a copy, sums their gradients every step; FSDP shards it in the root, the
+unit around both modules; TP splits both by vocabulary and ties the parts again.
 """
 
 import math
@@ -33,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# --model's GPTs: nanoGPT's two sizes for Tiny Shakespeare (65 characters), untied, less the
-# context: the data's windows' (models/data.py's GPT_CONTEXT, 64 and 256). gpt, its CPU recipe's:
-# 818,176 parameters; gpt-gpu, its GPU recipe's (config/train_shakespeare_char.py): 10,795,776.
+# --model's GPTs: nanoGPT's two sizes for Tiny Shakespeare (65 characters), less the context: the
+# data's windows' (models/data.py's GPT_CONTEXT, 64 and 256). gpt, its CPU recipe's: 804,096
+# parameters; gpt-gpu, its GPU recipe's (config/train_shakespeare_char.py): 10,745,088.
 SIZES = {
     "gpt": {"n_layer": 4, "n_head": 4, "n_embd": 128, "dropout": 0.0},
     "gpt-gpu": {"n_layer": 6, "n_head": 6, "n_embd": 384, "dropout": 0.2},
@@ -67,18 +65,19 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd, n_head, dropout, device=None, dtype=None):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
-        self.query, self.key, self.value = (nn.Linear(n_embd, n_embd, **kw) for _ in range(3))
-        self.proj = nn.Linear(n_embd, n_embd, **kw)  # a residual projection: a smaller init
+        # Rows ordered by head: train_tp.py's check lets a split of this fused layer through.
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=False, **kw)
+        self.qkv.rows_by_head = True
+        self.proj = nn.Linear(n_embd, n_embd, bias=False, **kw)  # residual: a smaller init
         self.head_dim, self.dropout = n_embd // n_head, dropout
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x):
         batch, time = x.shape[:2]
-        # (B, T, heads x head_dim) -> (B, heads, T, head_dim); -1: a tensor-parallel rank's heads
-        q, k, v = (
-            linear(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
-            for linear in (self.query, self.key, self.value)
-        )
+        # (B, T, heads x 3 x head_dim) -> (B, heads, T, 3 x head_dim) -> q, k, v, each
+        # (B, heads, T, head_dim); -1: a tensor-parallel rank's heads
+        qkv = self.qkv(x).view(batch, time, -1, 3 * self.head_dim).transpose(1, 2)
+        q, k, v = qkv.split(self.head_dim, dim=-1)
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, time, -1)))
@@ -89,8 +88,9 @@ class MLP(nn.Module):
 
     def __init__(self, n_embd, dropout, device=None, dtype=None):
         super().__init__()
-        self.fc = nn.Linear(n_embd, 4 * n_embd, device=device, dtype=dtype)
-        self.proj = nn.Linear(4 * n_embd, n_embd, device=device, dtype=dtype)  # residual
+        kw = {"bias": False, "device": device, "dtype": dtype}
+        self.fc = nn.Linear(n_embd, 4 * n_embd, **kw)
+        self.proj = nn.Linear(4 * n_embd, n_embd, **kw)  # residual
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x):
@@ -103,9 +103,10 @@ class Block(nn.Module):
     def __init__(self, n_embd, n_head, dropout, device=None, dtype=None):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
-        self.attn_norm = nn.LayerNorm(n_embd, **kw)
+        self.attn_norm = nn.LayerNorm(n_embd, bias=False, **kw)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout, **kw)
-        self.mlp_norm, self.mlp = nn.LayerNorm(n_embd, **kw), MLP(n_embd, dropout, **kw)
+        self.mlp_norm = nn.LayerNorm(n_embd, bias=False, **kw)
+        self.mlp = MLP(n_embd, dropout, **kw)
 
     def forward(self, x):
         x = x + self.attn(self.attn_norm(x))
@@ -113,11 +114,12 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """The final LayerNorm, then logits over the vocabulary (no bias, as nanoGPT's)."""
+    """The final LayerNorm, then logits over the vocabulary (the GPT ties ``out.weight`` to the
+    token embedding's)."""
 
     def __init__(self, n_embd, vocab_size, device=None, dtype=None):
         super().__init__()
-        self.norm = nn.LayerNorm(n_embd, device=device, dtype=dtype)
+        self.norm = nn.LayerNorm(n_embd, bias=False, device=device, dtype=dtype)
         self.out = nn.Linear(n_embd, vocab_size, bias=False, device=device, dtype=dtype)
 
     def forward(self, x):
@@ -128,9 +130,9 @@ class GPT(nn.Module):
     """Embed, n_layer Blocks, Head, in ``blocks``: ids (B, T <= block_size) -> logits (B, T, vocab).
 
     The defaults are nanoGPT's CPU recipe for Tiny Shakespeare's 65 characters: 4 layers, 4 heads,
-    128 wide, a context of 64: 0.82 M parameters. Initialised as nanoGPT: weights normal(0, 0.02),
-    the residual projections' scaled by 1 / sqrt(2 n_layer) (each block adds two of them to the
-    residual stream, which would otherwise grow with depth), zero biases, LayerNorms at (1, 0)."""
+    128 wide, a context of 64: 0.80 M parameters. Initialised as nanoGPT: weights normal(0,
+    0.02), the residual projections' scaled by 1 / sqrt(2 n_layer) (each block adds two of them to
+    the residual stream, which would otherwise grow with depth), LayerNorms' weights at 1."""
 
     def __init__(
         self,
@@ -165,11 +167,17 @@ class GPT(nn.Module):
             *(Block(n_embd, n_head, dropout, **kw) for _ in range(n_layer)),
             Head(n_embd, vocab_size, **kw),
         )
+        self.tie_weights()
         if not next(self.parameters()).is_meta:  # meta: the caller's, after to_empty
             self.reset_parameters()
 
     def forward(self, ids):
         return self.blocks(ids)
+
+    def tie_weights(self):
+        """The head's weight the token embedding's, one parameter, as nanoGPT's (and Hugging
+        Face's ``tie_weights``): call it again after ``to_empty``, which makes each its own."""
+        self.blocks[-1].out.weight = self.blocks[0].tokens.weight
 
     @torch.no_grad()
     def reset_parameters(self):
@@ -180,15 +188,15 @@ class GPT(nn.Module):
         its part."""
         generator = torch.Generator().manual_seed(torch.initial_seed())
         residual_std = 0.02 / math.sqrt(2 * self.config["n_layer"])
+        drawn = set()  # the tied weight: drawn once, by the embedding
         for name, module in self.named_modules():
             if isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
+            elif isinstance(module, (nn.Linear, nn.Embedding)) and module.weight not in drawn:
                 std = residual_std if name.endswith(".proj") else 0.02
                 values = torch.empty(module.weight.shape).normal_(0, std, generator=generator)
                 module.weight.copy_(values)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+                drawn.add(module.weight)
 
 
 @torch.no_grad()

@@ -330,6 +330,7 @@ def check_data(inputs, labels, samples, expected):
             )
 
 
+@torch.compiler.set_stance("force_eager")  # --compile's graphs: training's only (torch 2.6+)
 @torch.no_grad()
 def evaluate(forward, batches, rank, world_size, pipeline=False):
     """This replica's [loss sum, correct, count] over targets, to all-reduce; all run as many

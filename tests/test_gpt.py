@@ -134,7 +134,7 @@ def test_model_gpt_gpu_is_nanogpts_gpu_size_on_windows_of_its_context():
     train, _ = shakespeare.datasets(found["splits"], torch.device("cpu"), found["block_size"])
     torch.manual_seed(0)
     model = models.build(argparse.Namespace(model="gpt-gpu"), train)
-    assert sum(p.numel() for p in model.parameters()) == 10_795_776  # nanoGPT's 10.7 M, untied
+    assert sum(p.numel() for p in model.parameters()) == 10_745_088  # nanoGPT's model's count
     assert model.config == {
         "vocab_size": 65,
         "block_size": 256,
@@ -167,7 +167,7 @@ def test_the_sample_is_written_by_a_gpt_of_the_models_config_with_the_weights_gi
 def test_the_gpt_maps_ids_to_logits_causally_from_the_seed():
     torch.manual_seed(0)
     model = GPT()
-    assert sum(p.numel() for p in model.parameters()) == 818_176  # nanoGPT's CPU recipe, untied
+    assert sum(p.numel() for p in model.parameters()) == 804_096  # nanoGPT's CPU recipe
     assert [type(b).__name__ for b in model.blocks] == ["Embed", *["Block"] * 4, "Head"]
     ids = torch.randint(0, 65, (3, 64), generator=torch.Generator().manual_seed(1))
     logits = model(ids)
@@ -183,6 +183,34 @@ def test_the_gpt_maps_ids_to_logits_causally_from_the_seed():
     torch.manual_seed(0)
     again = GPT(dtype=torch.float64)
     assert all(torch.equal(a.double(), b) for a, b in zip(model.parameters(), again.parameters()))
+
+
+def test_it_is_nanogpts_model_tied_without_biases_its_query_key_value_ordered_by_head():
+    """The head's weight is the token embedding's (one parameter, drawn once), nothing has a bias,
+    and the fused qkv's rows are head 0's query, key and value, then head 1's: the attention is
+    the one computed from three separate matrices taken out of it head by head."""
+    torch.manual_seed(0)
+    model = GPT(**TINY)
+    embed, head = model.blocks[0], model.blocks[-1]
+    assert head.out.weight is embed.tokens.weight and len(list(model.parameters())) == 2 + 6 * 2 + 1
+    assert not [name for name, _ in model.named_parameters() if name.endswith("bias")]
+    assert 0.015 < embed.tokens.weight.std().item() < 0.025  # nanoGPT's normal(0, 0.02)
+    attention = model.blocks[1].attn
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))
+    heads, size = 2, 16
+    rows = attention.qkv.weight.view(heads, 3, size, 32)  # (head, q/k/v, head_dim, n_embd)
+
+    def split(weight):  # (B, T, heads x head_dim) -> (B, heads, T, head_dim)
+        return (x @ weight.reshape(heads * size, 32).T).view(2, 16, heads, size).transpose(1, 2)
+
+    q, k, v = (split(rows[:, i]) for i in range(3))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 16, 32)
+    expected = attention.proj(y)
+    assert torch.allclose(attention(x), expected, atol=1e-6)
+    # Negative control: the rows read as nanoGPT orders them (all queries, then keys, values).
+    q, k, v = (split(part) for part in attention.qkv.weight.chunk(3))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 16, 32)
+    assert (attention.proj(y) - expected).abs().max() > 1e-3
 
 
 def test_its_loss_at_init_is_that_of_a_uniform_guess_and_it_overfits_a_batch(splits):
@@ -219,7 +247,7 @@ def test_blocks_cut_anywhere_are_the_whole_model_and_the_pipeline_takes_it():
         assert torch.equal(x, whole), cut
     # The start-up check: the blocks run in order are the forward; matrix multiplies' FLOPs by block
     costs = block_flops(model, ids[:1])
-    linears = 2 * 16 * (4 * 32 * 32 + 2 * 32 * 128)  # q, k, v, proj; fc, proj: 2 FLOPs a MAC
+    linears = 2 * 16 * (4 * 32 * 32 + 2 * 32 * 128)  # qkv, proj; fc, proj: 2 FLOPs a MAC
     # torch 2.14's FlopCounterMode counts no attention on the CPU (the fused kernel): blocks equal.
     assert costs[0] == 0 and costs[1] == costs[2] >= linears and costs[3] == 2 * 16 * 32 * 65
     assert balanced_stages(costs, 2) == [[0, 1], [2, 3]]

@@ -120,7 +120,7 @@ def test_the_gpt_trains_as_one_process_does_in_fp64(script, ranks, batch, flags,
     page = " ".join((ROOT / "docs" / "transformer.md").read_text().split())
     if script == "train_fsdp.py":
         units, share = re.search(r"(\d+) units, the largest (\d+)% of", run.output).groups()
-        assert f"a unit, {units} in all. The largest, a transformer block, holds {share} %" in page
+        assert f"{units} units in all. The largest, a transformer block, holds {share} %" in page
     if script == "train_pippy.py" and ranks == 2:
         stages = re.search(r"2 stages: blocks \[\[[^;]*?\]\]", run.output).group()
         assert f"it prints `{stages}`" in page, stages

@@ -33,7 +33,7 @@ def record(name):
     return hook
 
 block = model.blocks[1]
-for name in ("attn_norm", "attn.query", "attn.proj", "attn"):
+for name in ("attn_norm", "attn.qkv", "attn.proj", "attn"):
     block.get_submodule(name).register_forward_hook(record(name))
 model(torch.randint(0, 65, (16, 64)))
 if dist.get_rank() == 0:
@@ -61,13 +61,13 @@ def test_the_sequence_parallel_picture_has_the_scripts_shapes(tmp_path):
     script.write_text(RECORD)
     succeeded(torchrun(script, 2, str(out), env=child_env()))
     seen = json.loads(out.read_text())
-    (norm_in, norm_out), (query_in, query_out) = seen["attn_norm"], seen["attn.query"]
+    (norm_in, norm_out), (query_in, query_out) = seen["attn_norm"], seen["attn.qkv"]
     proj_in, proj_out = seen["attn.proj"]
     assert norm_in == norm_out, seen
     recorded = {
         "stream, attn_norm": tuple(norm_out),
         "all-gather": tuple(query_in),
-        "query, key, value": (query_out[0], None),
+        "qkv": (query_out[0], None),
         # the row-wise Linear's local product, before the reduce-scatter: proj_in's rows, n_embd
         "proj": (proj_in[0][:2] + proj_out[0][2:], "Partial"),
         "reduce-scatter": tuple(proj_out),
