@@ -23,6 +23,8 @@ RETRY_EXIT = 75  # EX_TEMPFAIL: torchrun restarts it, not a bad input's 2
 # A failed write the user must fix (the disk, its permissions), not a passing fault.
 USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR}
 USER_ERRNOS |= {errno.EISDIR}
+# Reading the user's own input: also a file or folder that is not there.
+INPUT_ERRNOS = USER_ERRNOS | {errno.ENOENT, errno.ENAMETOOLONG, errno.ELOOP}
 # torch.distributed's errors: DistBackendError, DistNetworkError, DistStoreError (torch 2.9 has all)
 DIST_ERROR = getattr(dist, "DistError", ())  # (): matches nothing
 GLOO_SOURCE = re.compile(r"\[\S*gloo/\S*:\d+\]")  # starts gloo's errors, plain RuntimeErrors
@@ -45,6 +47,38 @@ class NodeError(UsageError):
 
 class Retryable(Exception):
     """What may pass on a retry (a peer lost, an I/O error): one line, exit code 75."""
+
+
+class InputError(UsageError):
+    """The user's own input (data, --init-from) missing or unreadable: exit code 2. A DataLoader
+    re-raises a worker's error as its type called with the worker's traceback (and no errno),
+    whose last line ends with this one's own line: only that is kept."""
+
+    def __init__(self, line):
+        super().__init__(_own_line(line, type(self)))
+
+
+class InputRetry(Retryable):
+    """Reading the user's input failed in the storage (EIO, ESTALE): exit code 75, as InputError's
+    line, out of a DataLoader worker too."""
+
+    def __init__(self, line):
+        super().__init__(_own_line(line, type(self)))
+
+
+def _own_line(text, kind):  # a traceback's last line is "module.Class: line"
+    return text.rstrip().rpartition(f"{kind.__module__}.{kind.__qualname__}: ")[2]
+
+
+def input_error(error, what):
+    """One line for an OSError reading the user's ``what``, naming the file and the error: an
+    InputError (missing, a permission, not a file; no errno: its contents, as PIL's), or else an
+    InputRetry (the storage's: EIO, ESTALE)."""
+    name = error.filename if error.filename is not None else "a file"
+    why = error.strerror or " ".join(str(error).split())[:200] or type(error).__name__
+    if error.errno is None or error.errno in INPUT_ERRNOS:
+        return InputError(f"{what}: {name} cannot be read ({why}): fix it, or the path to it")
+    return InputRetry(f"{what}: reading {name} failed ({why})")
 
 
 class Stopped(Exception):

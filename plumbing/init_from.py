@@ -1,12 +1,10 @@
 """--init-from FILE: start from a file's weights with a fresh optimizer (opt-in: imported only
 when the flag is given, so a copy without this file refuses the flag in one line)."""
 
-import os
-
 import torch
 import torch.distributed as dist
 
-from plumbing.failures import UsageError, on_rank_0
+from plumbing.failures import UsageError, input_error, on_rank_0
 
 
 def load(model, path, log):
@@ -15,15 +13,18 @@ def load(model, path, log):
     expected = model.state_dict()
 
     def read():  # on rank 0
-        if not os.path.isfile(path):
-            raise UsageError(f"--init-from {path}: no such file")
         try:
+            with open(path, "rb"):  # the OS's own word: missing, a permission, a directory
+                pass
             if path.endswith(".safetensors"):
                 from safetensors.torch import load_file  # optional
 
                 weights = load_file(path)
             else:  # weights_only: no pickled code runs
                 weights = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except OSError as error:  # an I/O error is one, not a file of something else
+            error.filename = path if error.filename is None else error.filename  # a read's
+            raise input_error(error, "--init-from") from None
         except ImportError:
             why = "reading .safetensors needs pip install safetensors"
             raise UsageError(f"--init-from {path}: {why}") from None

@@ -9,9 +9,9 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from plumbing.failures import NodeError, UsageError
+from plumbing.failures import NodeError, UsageError, input_error
 
 # Features a default run does not use, each in plumbing/<flag>.py and imported only when its flag is
 # given (nanoGPT's `if wandb_log: import wandb`): a copy carries only the files it uses.
@@ -228,7 +228,7 @@ class Batches:
         self.loader = None
         if workers or not gather:
             self.loader = DataLoader(
-                dataset,
+                _Reads(dataset),
                 batch_size,
                 sampler=self.order,
                 num_workers=workers,
@@ -265,6 +265,31 @@ class Batches:
             index = torch.arange(rows.start, rows.stop, device=self.device)
             inputs, labels = self.dataset[index]
             check_data(inputs, labels, rows, expected)
+
+
+class _Reads(Dataset):
+    """``dataset`` as a DataLoader reads it: an OSError of its files is the user's input, one line
+    naming the file and the error (failures.input_error), out of a worker too."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        try:
+            return self.dataset[index]
+        except OSError as error:  # a read's error names no file: the sample does
+            raise input_error(error, f"the data (sample {index})") from None
+
+    def __getitems__(self, indices):  # a batch at once, where the dataset reads so
+        if not getattr(self.dataset, "__getitems__", None):
+            return [self[i] for i in indices]
+        try:
+            return self.dataset.__getitems__(indices)
+        except OSError as error:
+            raise input_error(error, f"the data (one of samples {sorted(indices)})") from None
 
 
 def check_data_fits(model, train_batches, test_batches):

@@ -319,7 +319,7 @@ def with_full_disk(directory, command, before=":"):
     )
 
 
-def bound_by_permissions(command, cwd=None):
+def bound_by_permissions(command, cwd=None, **env):
     """Start ``command`` (2 processes) so that file permissions bind it: under root, in a user
     namespace of its own, where the real root's files are not its own and root's right to ignore
     permissions does not reach them."""
@@ -327,7 +327,7 @@ def bound_by_permissions(command, cwd=None):
     return Run(
         command if os.geteuid() else ["unshare", "--user", *command],
         cwd=cwd,
-        env=launcher_env(NPROC_PER_NODE=2),
+        env=launcher_env(NPROC_PER_NODE=2, **env),
     )
 
 
@@ -525,3 +525,80 @@ def test_data_that_does_not_fit_the_model_is_one_line_before_the_first_step(case
     run = misfits[case].wait()
     assert_one_line_error(run, MISFITS[case][2])
     assert "step 1/" not in run.output and "attempt" not in run.output, run.output
+
+
+FILE_CLUSTERS = """
+import os
+
+_Points = Clusters
+
+
+class Clusters(torch.utils.data.Dataset):  # the same points, read from a file a sample
+    def __init__(self, count, seed):
+        self.folder, self.count = os.path.join(os.environ["CLUSTERS"], str(seed)), count
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, index):
+        with open(os.path.join(self.folder, f"{index}.txt")) as file:
+            x, y, label = file.read().split()
+        return torch.tensor([float(x), float(y)]), int(label)
+"""
+
+
+@pytest.mark.slow  # 4 launches of 2 ranks, each training to the file: 50 s on 2 cores
+def test_the_users_own_data_file_missing_or_unreadable_is_one_line_also_from_a_worker(tmp_path):
+    """The README's copy with a Dataset that reads a file a sample: a training file missing (with
+    and without DataLoader workers), unreadable (chmod 000, bound by permissions) or failing with a
+    real EIO (a symlink to /proc/self/mem). Each is one line naming the file and the OS error: the
+    first two exit 2, never retried; the EIO is the storage's, exit 75. A worker re-raises its
+    error without the errno and with its whole traceback: the line must come through it whole."""
+    from test_template import copy_command, make_copy
+
+    project, user_file = make_copy(tmp_path, ["train_ddp.py"])
+    (project / "mymodel.py").write_text(user_file + FILE_CLUSTERS)
+    points = {}
+    exec(user_file, points)
+    for seed, count in ((0, 4096), (1, 1024)):
+        folder = tmp_path / "clusters" / str(seed)
+        folder.mkdir(parents=True)
+        data = points["Clusters"](count, seed)
+        for index in range(count):
+            x, y = data.points[index].tolist()
+            (folder / f"{index}.txt").write_text(f"{x} {y} {data.labels[index].item()}")
+    cases = {  # name: (the training file's fate, --workers)
+        "missing": ("unlink", "0"),
+        "missing-in-a-worker": ("unlink", "1"),
+        "unreadable-in-a-worker": ("chmod", "1"),
+        "eio-in-a-worker": ("eio", "1"),
+    }
+    runs = {}
+    for name, (fate, workers) in cases.items():
+        folder = tmp_path / name
+        shutil.copytree(tmp_path / "clusters", folder)
+        bad = folder / "0" / "100.txt"
+        bad.unlink()
+        if fate == "chmod":
+            bad.write_text("1 1 0")
+            bad.chmod(0)
+        elif fate == "eio":
+            bad.symlink_to("/proc/self/mem")
+        command = [*copy_command(), "--epochs", "1", "--no-eval", "--workers", workers]
+        env = {"CLUSTERS": folder, "PYTHONPATH": project}
+        if fate == "chmod":
+            runs[name] = bound_by_permissions(command, cwd=project, **env)
+        else:
+            runs[name] = Run(command, env=launcher_env(NPROC_PER_NODE=2, **env), cwd=project)
+    for name, run in runs.items():
+        bad = tmp_path / name / "0" / "100.txt"
+        if name.startswith("eio"):
+            run.wait()
+            assert run.returncode == 75, run.output
+            line = "error: the data (sample 100): reading a file failed (Input/output error); it "
+            line += "may pass on a retry"  # (a read's OSError names no file)
+            assert line in run.output, run.output
+            continue
+        why = "Permission denied" if name.startswith("unreadable") else "No such file or directory"
+        line = f"the data (sample 100): {bad} cannot be read ({why}): fix it, or the path to it"
+        assert_one_line_error(run.wait(), line)

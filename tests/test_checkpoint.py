@@ -27,6 +27,7 @@ from conftest import (
     worker_pids,
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_bad_input import bound_by_permissions
 
 # 40 fp32 steps over 2 epochs (20 steps each at global batch 32), a checkpoint every 10 steps.
 LONG = [
@@ -580,6 +581,13 @@ def test_checkpoint_read_errors_are_not_damage(uninterrupted, mnist_dir, tmp_pat
     (eio / "step-40" / "__1_0.distcp").symlink_to("/proc/self/mem")
     (isdir / "step-40" / "__1_0.distcp").unlink()
     (isdir / "step-40" / "__1_0.distcp").mkdir()
+    # a --resume-from path whose checkpoint.json this user may not read (bound by permissions)
+    eacces = copy_checkpoints(uninterrupted("ddp"), tmp_path / "eacces")
+    (eacces / "step-40" / "checkpoint.json").chmod(0)
+    unreadable = bound_by_permissions(
+        ["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), *LONG, "--batch-size", "16"]
+        + ["--checkpoint-dir", tmp_path / "other", "--resume-from", eacces / "step-40"]
+    )
     runs = [
         launch(
             "train_ddp.py",
@@ -605,6 +613,11 @@ def test_checkpoint_read_errors_are_not_damage(uninterrupted, mnist_dir, tmp_pat
         f"checkpoint {isdir}/step-40: {isdir}/step-40/__1_0.distcp cannot be read (Is a "
         f"directory): {read_error}; fix that, and the same command resumes from it",
     )
-    for folder in (eio, isdir):
+    assert_one_line_error(
+        unreadable.wait(),
+        f"checkpoint {eacces}/step-40: {eacces}/step-40/checkpoint.json cannot be read "
+        f"(Permission denied): {read_error}",
+    )
+    for folder in (eio, isdir, eacces):
         assert sorted(p.name for p in folder.iterdir()) == ["history.json", "step-30", "step-40"]
-        assert "resumed from" not in "".join(run.output for run in runs)
+        assert "resumed from" not in "".join(run.output for run in [*runs, unreadable])
