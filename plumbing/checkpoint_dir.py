@@ -83,8 +83,7 @@ class Checkpoints:
             hashed = {name: _fingerprint(os.path.join(temporary, name)) for name in mine}, None
         except OSError as error:
             hashed = {}, error
-        shares = [None] * world_size
-        dist.all_gather_object(shares, hashed)  # collective
+        shares = from_every_rank(hashed)  # collective
         if failed := next((error for _, error in shares if error), None):
             raise self._not_written(step, temporary, failed, state)
 
@@ -222,8 +221,7 @@ class Checkpoints:
             outcome = check_files(path, info["files"], mine)  # None, or what is damaged
         except OSError as error:
             outcome = error
-        outcomes = [None] * world_size
-        dist.all_gather_object(outcomes, outcome)  # collective
+        outcomes = from_every_rank(outcome)  # collective
         if damage := next((o for o in outcomes if isinstance(o, str)), None):
             return None, damage
         if error := next((o for o in outcomes if isinstance(o, OSError)), None):
@@ -268,6 +266,13 @@ class Checkpoints:
                 f"checkpoint {bad} is damaged ({why}): moved it to {aside}; "
                 "resuming from an older one"
             )
+
+
+def from_every_rank(value):
+    """Collective: every rank's ``value``, in rank order."""
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def _names(folder):

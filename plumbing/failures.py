@@ -50,32 +50,21 @@ class Retryable(Exception):
 
 
 class InputError(UsageError):
-    """The user's own input (data, --init-from) missing or unreadable: exit code 2. A DataLoader
-    re-raises a worker's error as its type called with the worker's traceback (and no errno),
-    whose last line ends with this one's own line: only that is kept."""
+    """The user's input (data, --init-from) missing or unreadable: exit 2. A DataLoader re-raises a
+    worker's error as its type called with the worker's traceback, whose last line is this one's."""
 
     def __init__(self, line):
-        super().__init__(_own_line(line, type(self)))
+        Exception.__init__(self, line.rstrip().rpartition(f"{__name__}.{type(self).__name__}: ")[2])
 
 
-class InputRetry(Retryable):
-    """Reading the user's input failed in the storage (EIO, ESTALE): exit code 75, as InputError's
-    line, out of a DataLoader worker too."""
-
-    def __init__(self, line):
-        super().__init__(_own_line(line, type(self)))
-
-
-def _own_line(text, kind):  # a traceback's last line is "module.Class: line"
-    return text.rstrip().rpartition(f"{kind.__module__}.{kind.__qualname__}: ")[2]
+class InputRetry(Retryable):  # reading it failed in the storage (EIO, ESTALE): exit 75
+    __init__ = InputError.__init__
 
 
 def input_error(error, what):
-    """One line for an OSError reading the user's ``what``, naming the file and the error: an
-    InputError (missing, a permission, not a file; no errno: its contents, as PIL's), or else an
-    InputRetry (the storage's: EIO, ESTALE)."""
-    name = error.filename if error.filename is not None else "a file"
-    why = error.strerror or " ".join(str(error).split())[:200] or type(error).__name__
+    """The line for an OSError reading the user's ``what``, naming the file and the error: exit 2
+    (missing, a permission, not a file; no errno: its contents, as PIL's), or 75 (the storage's)."""
+    name, why = error.filename or "a file", error.strerror or str(error) or type(error).__name__
     if error.errno is None or error.errno in INPUT_ERRNOS:
         return InputError(f"{what}: {name} cannot be read ({why}): fix it, or the path to it")
     return InputRetry(f"{what}: reading {name} failed ({why})")

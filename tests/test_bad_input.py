@@ -471,6 +471,12 @@ def test_a_warmup_longer_than_half_the_run_is_refused_and_the_default_one_is_sho
 # an IndexError's traceback. A case: (the line that replaces models.build's in a copy of
 # train_ddp.py, its flags, the error).
 BUILD = "    model = models.build(args, train_set, device, dtype)  # --model, for the data\n"
+LOAD = (
+    "    dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)\n"
+)
+# rank 0's 101st sample of epoch 1 (DistributedSampler's order over the 640 of mnist_dir, 2 ranks):
+# in its second batch of 64
+DEEP = torch.randperm(640, generator=torch.Generator().manual_seed(0))[2 * 100].item()
 MISFITS = {
     "token-id-beyond-the-vocabulary": (
         "    size = {**models.SIZES[args.model], 'block_size': train_set.block_size}\n"
@@ -483,15 +489,35 @@ MISFITS = {
     "label-outside-the-classes": (
         "    model = models.BabyCNN(1, 5, 28, 1, device=device, dtype=dtype)\n",
         mnist_args("{mnist}"),
-        "of the data has label 9, outside the model's 5 classes (its logits' last dimension): "
+        "of the training set has label 9, outside the model's 5 classes (its logits' last "
+        "dimension): "
         "fix the data, or give the model at least 10 outputs",
     ),
-    # read through a DataLoader (not a tensor on the device): its first batch is checked
+    # read through a DataLoader (a TensorDataset on the CPU, for workers): checked whole, first
     "label-outside-the-classes-read-by-workers": (
         "    model = models.BabyCNN(1, 5, 28, 1, device=device, dtype=dtype)\n",
         [*mnist_args("{mnist}"), "--workers", "1"],
         "outside the model's 5 classes (its logits' last dimension): fix the data, or give the "
         "model at least ",
+    ),
+    # a test set held in memory (a TensorDataset on the CPU, for --workers): checked whole,
+    # before step 1, not as its first batch is drawn after the first epoch
+    "a-label-in-a-test-set-held-in-memory": (
+        (LOAD, LOAD + "    test_set.tensors[1][250] = 12\n"),
+        [*mnist_args("{mnist}"), "--workers", "1"],
+        "error: sample 250 of the test set has label 12, outside the model's 10 classes",
+    ),
+    # a Dataset of the user's (not a TensorDataset), read by a worker: every batch is checked as it
+    # is drawn, on the host; this sample is in rank 0's second batch (DEEP)
+    "a-label-deep-in-a-dataloaders-training-set": (
+        (
+            LOAD,
+            LOAD
+            + f"    train_set.tensors[1][{DEEP}] = 12\n"
+            + "    train_set = torch.utils.data.Subset(train_set, range(len(train_set)))\n",
+        ),
+        [*mnist_args("{mnist}"), "--workers", "1"],
+        f"error: sample {DEEP} of the training set has label 12, outside the model's 10 classes",
     ),
     "targets-of-another-shape": (
         "    model = models.BabyCNN(1, 10, 28, 1, device=device, dtype=dtype)\n"
@@ -510,8 +536,10 @@ def misfits(mnist_dir, tmp_path_factory):
     script = (ROOT / "train_ddp.py").read_text()
     assert script.count(BUILD) == 1  # the line a copy replaces (README: Copy a script)
     started = {}
+    assert script.count(LOAD) == 1
     for case, (build, flags, _) in MISFITS.items():
-        (tmp / f"{case}.py").write_text(script.replace(BUILD, build))
+        old, new = (BUILD, build) if isinstance(build, str) else build
+        (tmp / f"{case}.py").write_text(script.replace(old, new))
         flags = [str(flag).format(mnist=mnist_dir) for flag in flags]
         started[case] = Run(
             ["bash", ROOT / "launch.sh", tmp / f"{case}.py", *flags, "--log-every", "1"],
@@ -524,7 +552,11 @@ def misfits(mnist_dir, tmp_path_factory):
 def test_data_that_does_not_fit_the_model_is_one_line_before_the_first_step(case, misfits):
     run = misfits[case].wait()
     assert_one_line_error(run, MISFITS[case][2])
-    assert "step 1/" not in run.output and "attempt" not in run.output, run.output
+    assert "attempt" not in run.output, run.output
+    if "deep" in case:  # found as its batch was drawn: after step 1, before step 2
+        assert "step 1/" in run.output and "step 2/" not in run.output, run.output
+    else:
+        assert "step 1/" not in run.output, run.output
 
 
 FILE_CLUSTERS = """
