@@ -20,6 +20,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 # The signals torchrun passes on to its workers (launch_torchrun.py lists the same).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
 RETRY_EXIT = 75  # EX_TEMPFAIL: torchrun restarts it, not a bad input's 2
+# Seconds in which a second stop signal is the same stop: GNU timeout signals its child and then
+# its group, scancel every process of a step, torchrun passes it on (docs/reference.md: measured).
+STOP_GRACE = 2.0
 # A failed write the user must fix (the disk, its permissions), not a passing fault.
 USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR}
 USER_ERRNOS |= {errno.EISDIR}
@@ -257,7 +260,7 @@ def on_rank_0(work, what, share=True):
 
 class StopSignals:
     """Stop signals (SIGTERM, SLURM's SIGUSR1, Ctrl-C, a closed terminal), the ranks' agreed
-    stop. A second, over a second later, ends it: a thread watches, as a blocked rank can't."""
+    stop. A second, STOP_GRACE later, ends it: a thread watches, as a blocked rank can't."""
 
     SECONDS = 1.0  # of training between two agreements: the most a stop waits
 
@@ -278,7 +281,7 @@ class StopSignals:
             for number in (n for n in os.read(read, 64) if n in STOP_SIGNALS):
                 if first is None:
                     first, self.received = time.monotonic(), number
-                elif time.monotonic() - first > 1:
+                elif time.monotonic() - first > STOP_GRACE:
                     rank, name = os.environ.get("RANK", "0"), signal.Signals(number).name
                     say(f"{name} again: rank {rank} ends now, with no checkpoint", 0)
                     os._exit(128 + number)
