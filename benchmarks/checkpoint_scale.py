@@ -5,9 +5,10 @@
 
 FSDP2 (fully_shard) on gloo, CPU: a stack of 4096 x 4096 Linear layers with AdamW's two moments,
 --gigabytes in all, half on each rank. Each repeat times, with a barrier before and after each:
-dcp.save of the very state dict Checkpoints.save saves, Checkpoints.save (the finite check, DCP's
-save, each rank hashing the files it wrote, rank 0's checkpoint.json and rename), dcp.load of it,
-and Checkpoints.resume (each rank checking the files it wrote, DCP's load, set_state_dict). The
+DCP's own save (get_state_dict, dcp.save), Checkpoints.save (the same, the finite check, each rank
+hashing the files it wrote, rank 0's checkpoint.json, rename and prune), DCP's own load
+(get_state_dict, dcp.load, set_state_dict), Checkpoints.resume (each rank checking the files it
+wrote, then the same load), and the hashing alone (each rank its file of DCP's checkpoint). The
 medians and their ratios are printed (rank 0) as JSON; the folder is removed at the end.
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -63,20 +64,35 @@ def timed(work):
     return time.perf_counter() - began
 
 
-seconds = {"dcp_save": [], "save": [], "dcp_load": [], "resume": []}
+def dcp_save(path):  # DCP's own way (its tutorial's): the state dicts, then dcp.save
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+
+
+def dcp_load(path):  # get_state_dict, dcp.load in place, set_state_dict
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+
+
+def hash_mine(path):  # the check alone: this rank's files' SHA-256s
+    names = [n for n in sorted(os.listdir(path)) if checkpoint_dir.checked_by(n, 2) == rank]
+    checkpoint_dir.check_files(path, {n: [0, ""] for n in names}, names)
+
+
+seconds = {"dcp_save": [], "save": [], "dcp_load": [], "resume": [], "hash": []}
 try:
     for step in range(1, args.repeats + 1):
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state["state"]}
         plain = os.path.join(args.checkpoint_dir, f"dcp-{step}")
-        seconds["dcp_save"].append(timed(lambda: dcp.save(state, checkpoint_id=plain)))
+        seconds["dcp_save"].append(timed(lambda: dcp_save(plain)))
         seconds["save"].append(
             timed(lambda: checkpointer.save(step, 0, 0, model, optimizer, [torch.zeros(())]))
         )
-        seconds["dcp_load"].append(timed(lambda: dcp.load(state, checkpoint_id=plain)))
+        seconds["dcp_load"].append(timed(lambda: dcp_load(plain)))
         seconds["resume"].append(
             timed(lambda: checkpointer.resume(model, optimizer, lambda line: None))
         )
+        seconds["hash"].append(timed(lambda: hash_mine(plain)))
         if rank == 0:
             shutil.rmtree(plain)
     saved = Path(args.checkpoint_dir) / f"step-{args.repeats}"
