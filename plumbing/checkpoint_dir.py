@@ -18,7 +18,14 @@ from torch.utils._pytree import tree_leaves
 
 from plumbing import training
 from plumbing.checkpoints import cannot_write, diverged, save_json
-from plumbing.failures import USER_ERRNOS, Retryable, UsageError, on_rank_0, transient
+from plumbing.failures import (
+    INPUT_ERRNOS,
+    USER_ERRNOS,
+    Retryable,
+    UsageError,
+    on_rank_0,
+    transient,
+)
 
 FORMAT = 4  # of checkpoint.json: 4 holds the peak lr
 HISTORY = "history.json"  # in --checkpoint-dir: the checkpoints pruned and those set aside
@@ -362,11 +369,11 @@ def checked_by(name, world_size):
 
 def unreadable(path, error):
     """A read error is the environment's, not damage: nothing is moved aside or skipped for it. A
-    UsageError for one the user fixes (a permission, a directory in a file's place), else a
+    UsageError for one the user fixes (missing, a permission, a directory in a file's place), else a
     Retryable (EIO, ESTALE: exit 75)."""
     line = f"checkpoint {path}: {error.filename} cannot be read ({error.strerror or error})"
     line += ": a read error, not damage; no checkpoint was moved aside or skipped"
-    if error.errno in USER_ERRNOS:
+    if error.errno in INPUT_ERRNOS:
         return UsageError(f"{line}; fix that, and the same command resumes from it")
     return Retryable(line)
 
