@@ -390,11 +390,14 @@ def history(folder):
         return {"unreadable": True}
 
 
-def record(folder, kind, entries):  # on rank 0: added to the folder's history
+def record(folder, kind, entries):  # on rank 0: added to the folder's history, if it can be
     known = history(folder)
     known.pop("unreadable", None)
     known[kind] = known.get(kind, {}) | entries
-    save_json(known, os.path.join(folder, HISTORY))
+    try:
+        save_json(known, os.path.join(folder, HISTORY))
+    except UsageError:  # a full disk: the checkpoints matter, not their record
+        pass
 
 
 def unused_path(path):  # path, or the first free path-2, path-3, ...

@@ -405,7 +405,12 @@ def test_resume_from_an_older_checkpoint_ends_as_the_uninterrupted_run(
         f"--resume-from {checkpoints}/step-30: the newer step-40 moved aside to abandoned-step-<N>"
         in run.output
     )
-    assert sorted(os.listdir(checkpoints)) == ["abandoned-step-40", "step-30", "step-40"]
+    assert sorted(os.listdir(checkpoints)) == [
+        "abandoned-step-40",
+        "history.json",  # what --keep-checkpoints pruned: step-10, step-20
+        "step-30",
+        "step-40",
+    ]
     # The same command again (a requeued job keeps its flags): it goes on from its branch, not back
     # to step 30
     again = succeeded(

@@ -41,10 +41,10 @@ SCRIPTS = ["train_ddp.py", "train_fsdp.py", "train_pippy.py"]
 # lines and 59 kB (1,095 and 56.2 kB then), FSDP's 1,290 (1,218), the pipeline's 1,485 (1,463);
 # train_tp.py's is held at its own core then (1,705, train_fsdp.py's included).
 # Issue 63 added the user's input files' one line (failures.input_error, training._Reads: out of a
-# DataLoader worker too) and the check of every batch drawn: 50 lines, the pipeline's and TP's
-# budgets moved by them (1,463 and 1,705 lines before).
-MAX_FORMATTED = {"train_ddp.py": 1180, "train_fsdp.py": 1290, "train_pippy.py": 1515}
-MAX_FORMATTED["train_tp.py"] = 1755
+# DataLoader worker too), the check of every batch drawn and one stop's grace: 53 lines, the
+# pipeline's and TP's budgets moved by them (1,463 and 1,705 lines before).
+MAX_FORMATTED = {"train_ddp.py": 1180, "train_fsdp.py": 1290, "train_pippy.py": 1516}
+MAX_FORMATTED["train_tp.py"] = 1758
 MAX_DDP_BYTES = 59_000
 # Collective calls outside the scripts: 7 since issue 42, whose --init-from broadcasts (behind a
 # call marked collective) and whose plumbing/consolidate.py calls dcp.load without a process group
