@@ -467,7 +467,14 @@ def stopped(pid):  # state T: stopped by a signal
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
-@pytest.mark.parametrize("sender", ["gnu-timeout", "launcher-and-workers", "twice-in-the-grace"])
+@pytest.mark.parametrize(
+    "sender",
+    [
+        "gnu-timeout",
+        pytest.param("launcher-and-workers", marks=pytest.mark.slow),  # 30 s: the suite's budget
+        "twice-in-the-grace",
+    ],
+)
 def test_one_preemption_signalled_to_several_processes_is_one_stop(sender, tmp_path):
     """GNU timeout passes a SIGTERM to its child and then to the child's process group (the
     launcher gets it twice); scancel and a pod's deletion signal the launcher and the workers at
