@@ -35,7 +35,8 @@
 # SLURM's warning before a time limit, SIGHUP, SIGQUIT): it passes the signal on, the workers stop
 # together within about a second of training and write a checkpoint (with --checkpoint-dir), and
 # the launch ends with exit code 128 + the signal's number (143, 130, 138, 129, 131), which
-# schedulers read as "preempted". A second signal ends it at once; one during start-up is one
+# schedulers read as "preempted". A second signal over 2 s later ends it at once (within 2 s: the
+# same stop, as GNU timeout and scancel send it to several processes); one during start-up is one
 # line; one after the last step lets the run finish (exit code 0). A failed launch ends in one
 # line, not torchrun's traceback: exit code 2 for a bad input or a bug the workers found (not
 # restarted), 75 for a failure that may pass on a retry (a peer lost: restarted while MAX_RESTARTS

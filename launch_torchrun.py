@@ -26,10 +26,11 @@ torchrun's 40- to 80-line ChildFailedError traceback.
                   together within about a second of training, write a checkpoint and say where;
                   exit code 128 + the signal's number. A rank that does not stop within torchrun's
                   shutdown timeout (30 s) is named in one line before it is killed; a second signal
-                  ends the launch at once, naming the ranks that had not stopped. During start-up
-                  (torch still importing, no training yet) it is one line here instead of each
-                  process's KeyboardInterrupt traceback; after the last step, the run finishes and
-                  exits 0.
+                  over failures.STOP_GRACE (2 s) later ends the launch at once, naming the ranks
+                  that had not stopped (one sooner is the same stop, sent to several processes).
+                  During start-up (torch still importing, no training yet) it is one line here
+                  instead of each process's KeyboardInterrupt traceback; after the last step, the
+                  run finishes and exits 0.
   no rendezvous   not all nodes joined within the join timeout: the line launch.sh passes in
                   LAUNCH_SH_NO_RENDEZVOUS. Exit code 2.
 
@@ -84,12 +85,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 from torch.distributed.run import parse_args, run
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder holds plumbing/
-from plumbing.failures import RETRY_EXIT, STOP_SIGNALS
+from plumbing.failures import RETRY_EXIT, STOP_GRACE, STOP_SIGNALS
 
 # pid: (rank, when, signal name, training) of each worker torchrun signalled to stop (a stop, or a
 # failed peer)
 stopping = {}
-received = []  # the stop signals this launch received
+received = []  # (signal, time) of the stop signals this launch received
 workers = {}  # pid: Popen of each worker of the latest start
 
 
@@ -231,10 +232,13 @@ def ending(failures):
 
 def on_signal(number, frame):
     """As torchrun's own handler (the agent stops the workers with the same signal), also for
-    SIGUSR1, which torch 2.9's torchrun leaves deadly; but a second signal ends the launch at once:
-    torchrun would send it on and wait its whole shutdown timeout again. The workers die with this
+    SIGUSR1, which torch 2.9's torchrun leaves deadly; but a second signal (after STOP_GRACE:
+    before, it is the same stop sent to several processes) ends the launch at once: torchrun would
+    send it on and wait its whole shutdown timeout again. The workers die with this
     process (PR_SET_PDEATHSIG)."""
     name = signal.Signals(number).name
+    if received and time.monotonic() - received[0][1] < STOP_GRACE:
+        return  # the same stop, delivered twice (GNU timeout, scancel)
     if received:
         stuck = ", ".join(
             f"rank {rank} (pid {pid})" for pid, (rank, *_) in stopping.items() if alive(pid)
@@ -246,7 +250,7 @@ def on_signal(number, frame):
             flush=True,
         )
         os._exit(128 + number)
-    received.append(number)
+    received.append((number, time.monotonic()))
     raise SignalException(
         f"Process {os.getpid()} got signal: {name}", sigval=signal.Signals(number)
     )

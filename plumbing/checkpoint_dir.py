@@ -2,9 +2,11 @@
 the newest intact one resumed (opt-in: imported only when the flag, or --resume-from, is given, so
 a copy without this file refuses them in one line)."""
 
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 
 import torch
@@ -16,9 +18,18 @@ from torch.utils._pytree import tree_leaves
 
 from plumbing import training
 from plumbing.checkpoints import cannot_write, diverged, save_json
-from plumbing.failures import USER_ERRNOS, Retryable, UsageError, on_rank_0, transient
+from plumbing.failures import (
+    INPUT_ERRNOS,
+    USER_ERRNOS,
+    Retryable,
+    UsageError,
+    on_rank_0,
+    transient,
+)
 
 FORMAT = 4  # of checkpoint.json: 4 holds the peak lr
+HISTORY = "history.json"  # in --checkpoint-dir: the checkpoints pruned and those set aside
+WRITER = re.compile(r"__(\d+)_")  # DCP's FileSystemWriter names a rank's files __<rank>_<n>.distcp
 
 
 def _renamed(optimizer_state, aliases):
@@ -46,7 +57,7 @@ class Checkpoints:
         self.layout = {"dataset": plan.dataset_name, "world_size": dist.get_world_size()}
         self.layout |= {"global_batch_size": plan.global_batch_size, "device": device.type}
         self.layout["optimizer"] = getattr(args, "optimizer", None)  # its state must be the same
-        self.branch = None  # rank 0's: the --resume-from it descends from
+        self.branch = None  # the --resume-from it descends from
         self.aliases = {}  # resume's
 
     def is_due(self, step, now):
@@ -73,11 +84,19 @@ class Checkpoints:
             dcp.save(state, checkpoint_id=temporary)  # one rank fails: all raise
         except (OSError, RuntimeError, CheckpointException) as error:
             raise self._not_written(step, temporary, error, state) from None
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        try:  # each rank the files it wrote, all at once: no rank reads another's
+            mine = [n for n in sorted(os.listdir(temporary)) if checked_by(n, world_size) == rank]
+            hashed = {name: _fingerprint(os.path.join(temporary, name)) for name in mine}, None
+        except OSError as error:
+            hashed = {}, error
+        shares = from_every_rank(hashed)  # collective
+        if failed := next((error for _, error in shares if error), None):
+            raise self._not_written(step, temporary, failed, state)
 
-        def finish():  # rank 0, once every rank's files are written
+        def finish():  # rank 0, once every rank's files are written and hashed
             try:
-                names = sorted(os.listdir(temporary))
-                files = {name: _fingerprint(os.path.join(temporary, name)) for name in names}
+                files = dict(sorted(kv for share, _ in shares for kv in share.items()))
                 done = steps_into_epoch * self.layout["global_batch_size"]
                 info = {"format": FORMAT, "layout": self.layout, "step": step, "epoch": epoch}
                 info |= {"samples_into_epoch": done, "peak_lr": self.peak_lr}
@@ -88,7 +107,9 @@ class Checkpoints:
             except (OSError, UsageError) as error:
                 raise self._not_written(step, temporary, error, state) from None
             self._remove_strays()
-            for old in self.complete()[: -self.args.keep_checkpoints]:
+            if pruned := self.complete()[: -self.args.keep_checkpoints]:
+                record(self.directory, "pruned", {name: step for name in pruned})  # first
+            for old in pruned:
                 shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
 
         on_rank_0(finish, f"finishing checkpoint step-{step}")  # all wait for it
@@ -136,7 +157,7 @@ class Checkpoints:
         states; where to go on. ``aliases`` ({name: name in the whole model}) name optimizer
         states here and in every save (_renamed)."""
         self.aliases = aliases or {}
-        found = on_rank_0(lambda: self._newest_intact(log), "finding a checkpoint")
+        found = self._newest_intact(log)  # collective
         if found is None:
             return {"step": 0, "epoch": 0, "samples_into_epoch": 0}
         path, info = found
@@ -188,28 +209,43 @@ class Checkpoints:
         return {**info, "samples_into_epoch": saved - back}
 
     def _newest_intact(self, log):
-        """On rank 0: (path, checkpoint.json) or None; --resume-from's, if given."""
+        """Collective: (path, checkpoint.json) or None; --resume-from's, if given."""
         found = self._newest_in_directory(log)
         self.branch = found[1].get("branch") if found else None  # its checkpoints keep it
         resume_from = training.opt_in(self.args, "resume_from")
         return resume_from.choose(self, found, log) if resume_from else found
 
+    def intact(self, path):
+        """Collective: (checkpoint.json, None) if every file of ``path`` is whole and matches its
+        SHA-256, or (None, what is damaged). Each rank checks the files it wrote (at another world
+        size, rank % world_size's), at once. A read error is not damage: every rank raises it."""
+        info, problem = on_rank_0(lambda: read_manifest(path, self.layout), f"reading {path}")
+        if problem:
+            return None, problem
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        mine = [name for name in sorted(info["files"]) if checked_by(name, world_size) == rank]
+        try:
+            outcome = check_files(path, info["files"], mine)  # None, or what is damaged
+        except OSError as error:
+            outcome = error
+        outcomes = from_every_rank(outcome)  # collective
+        if damage := next((o for o in outcomes if isinstance(o, str)), None):
+            return None, damage
+        if error := next((o for o in outcomes if isinstance(o, OSError)), None):
+            raise unreadable(path, error)
+        return info, None
+
     def _newest_in_directory(self, log):
-        """On rank 0: (path, checkpoint.json) or None; newer damaged ones go aside."""
+        """Collective: (path, checkpoint.json) or None; newer damaged ones go aside."""
+        names, set_aside = on_rank_0(self._start, "listing the checkpoints")
+        for aside, why in set_aside:  # said on every start until it is deleted
+            log(f"checkpoint {aside} was set aside as damaged ({why}): delete it once looked at")
         damaged = []  # (name, what is wrong), newest first
-        self._remove_strays()
-        for name in reversed(self.complete()):
+        for name in reversed(names):
             path = os.path.join(self.directory, name)
-            info, problem = verify(path, self.layout)
+            info, problem = self.intact(path)
             if problem is None:
-                for bad_name, why in damaged:
-                    bad = os.path.join(self.directory, bad_name)
-                    aside = unused_path(os.path.join(self.directory, "damaged-" + bad_name))
-                    os.replace(bad, aside)
-                    log(
-                        f"checkpoint {bad} is damaged ({why}): moved it to {aside}; "
-                        "resuming from an older one"
-                    )
+                on_rank_0(lambda: self._set_aside(damaged, log), "moving damaged checkpoints")
                 return path, info
             damaged.append((name, problem))
         if damaged:  # none moved: a restart must not go back to step 0 unsaid
@@ -218,6 +254,32 @@ class Checkpoints:
                 f"no intact checkpoint in {self.directory}: {faults}; restore one, "
                 "or use another --checkpoint-dir"
             )
+
+    def _start(self):
+        """On rank 0: the complete checkpoints, oldest first, then [(damaged-step-<N>, why)]."""
+        self._remove_strays()
+        reasons = history(self.directory).get("damaged", {})
+        aside = [n for n in sorted(_names(self.directory)) if n.startswith("damaged-step-")]
+        paths = [os.path.join(self.directory, n) for n in aside]
+        return self.complete(), [(p, reasons.get(n, "unrecorded")) for p, n in zip(paths, aside)]
+
+    def _set_aside(self, damaged, log):  # on rank 0: each damaged-step-<N>, never deleted
+        for name, why in damaged:
+            bad = os.path.join(self.directory, name)
+            aside = unused_path(os.path.join(self.directory, "damaged-" + name))
+            record(self.directory, "damaged", {os.path.basename(aside): why})  # first
+            os.replace(bad, aside)
+            log(
+                f"checkpoint {bad} is damaged ({why}): moved it to {aside}; "
+                "resuming from an older one"
+            )
+
+
+def from_every_rank(value):
+    """Collective: every rank's ``value``, in rank order."""
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def _names(folder):
@@ -232,7 +294,21 @@ def complete(folder):
 
 
 def verify(path, layout=None):
-    """(checkpoint.json, None) if every file matches, or (None, what is damaged)."""
+    """One process: (checkpoint.json, None) if every file matches, or (None, what is damaged); a
+    read error raises (``unreadable``)."""
+    info, problem = read_manifest(path, layout)
+    if problem:
+        return None, problem
+    try:
+        problem = check_files(path, info["files"], sorted(info["files"]))
+    except OSError as error:
+        raise unreadable(path, error) from None
+    return (None, problem) if problem else (info, None)
+
+
+def read_manifest(path, layout=None):
+    """(checkpoint.json, None), or (None, what is damaged): missing, unparsable, another format.
+    Another dataset or optimizer is a UsageError; a read error raises (``unreadable``)."""
     manifest = os.path.join(path, "checkpoint.json")
     try:
         with open(manifest) as file:
@@ -241,8 +317,13 @@ def verify(path, layout=None):
         if ".metadata" not in files or info["format"] != FORMAT:
             found = f"format {info['format']} (this code reads {FORMAT}), files {sorted(files)}"
             raise ValueError(found)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+    except OSError as error:
+        if error.errno != errno.ENOENT:
+            raise unreadable(path, error) from None
         return None, f"checkpoint.json is unreadable: {error}"
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        return None, f"checkpoint.json is unreadable: {error}"
+    info["files"] = files
     if layout and info["layout"]["dataset"] != layout["dataset"]:  # another model's
         raise UsageError(
             f"checkpoint {manifest} was saved with dataset {info['layout']['dataset']}, "
@@ -257,16 +338,66 @@ def verify(path, layout=None):
             f"change optimizers, start from its weights (python -m plumbing.consolidate {path} "
             "weights.pt, then --init-from weights.pt with another --checkpoint-dir)"
         )
-    for name, expected in files.items():
-        try:
-            actual = _fingerprint(os.path.join(path, name))
-        except OSError as error:
-            return None, f"{name}: {error.strerror or error}"
-        if actual[0] != expected[0]:
-            return None, f"{name} has {actual[0]} bytes, checkpoint.json says {expected[0]}"
-        if actual != expected:
-            return None, f"{name} does not match its SHA-256 in checkpoint.json"
     return info, None
+
+
+def check_files(path, files, names):
+    """None if each of ``names`` is whole and matches ``files`` ({name: [size, SHA-256]}), or what
+    is damaged: missing, truncated, another SHA-256. A read error raises its OSError, named."""
+    for name in names:
+        expected, file = files[name], os.path.join(path, name)
+        try:
+            actual = _fingerprint(file)
+        except OSError as error:
+            if error.errno == errno.ENOENT:  # not whole: a file of it is gone
+                return f"{name}: {error.strerror}"
+            error.filename = error.filename or file  # a read's error names no file
+            raise
+        if actual[0] != expected[0]:
+            return f"{name} has {actual[0]} bytes, checkpoint.json says {expected[0]}"
+        if actual != expected:
+            return f"{name} does not match its SHA-256 in checkpoint.json"
+    return None
+
+
+def checked_by(name, world_size):
+    """The rank that hashes file ``name`` of a checkpoint: the one that wrote it (DCP's
+    __<rank>_<n>.distcp; .metadata and checkpoint.json are rank 0's), or rank % world_size."""
+    writer = WRITER.match(name)
+    return int(writer.group(1)) % world_size if writer else 0
+
+
+def unreadable(path, error):
+    """A read error is the environment's, not damage: nothing is moved aside or skipped for it. A
+    UsageError for one the user fixes (missing, a permission, a directory in a file's place), else a
+    Retryable (EIO, ESTALE: exit 75)."""
+    line = f"checkpoint {path}: {error.filename} cannot be read ({error.strerror or error})"
+    line += ": a read error, not damage; no checkpoint was moved aside or skipped"
+    if error.errno in INPUT_ERRNOS:
+        return UsageError(f"{line}; fix that, and the same command resumes from it")
+    return Retryable(line)
+
+
+def history(folder):
+    """--checkpoint-dir's record: {"pruned": {step-<N>: the step that pruned it},
+    "damaged": {damaged-step-<N>: why}}."""
+    try:
+        with open(os.path.join(folder, HISTORY)) as file:
+            return json.load(file)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):  # a record, not a checkpoint: a bad one is said, not fatal
+        return {"unreadable": True}
+
+
+def record(folder, kind, entries):  # on rank 0: added to the folder's history, if it can be
+    known = history(folder)
+    known.pop("unreadable", None)
+    known[kind] = known.get(kind, {}) | entries
+    try:
+        save_json(known, os.path.join(folder, HISTORY))
+    except UsageError:  # a full disk: the checkpoints matter, not their record
+        pass
 
 
 def unused_path(path):  # path, or the first free path-2, path-3, ...

@@ -20,9 +20,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 # The signals torchrun passes on to its workers (launch_torchrun.py lists the same).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
 RETRY_EXIT = 75  # EX_TEMPFAIL: torchrun restarts it, not a bad input's 2
+# Seconds in which a second stop signal is the same stop: GNU timeout signals its child and then
+# its group, scancel every process of a step, torchrun passes it on (docs/reference.md: measured).
+STOP_GRACE = 2.0
 # A failed write the user must fix (the disk, its permissions), not a passing fault.
 USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR}
 USER_ERRNOS |= {errno.EISDIR}
+# Reading the user's own input: also a file or folder that is not there.
+INPUT_ERRNOS = USER_ERRNOS | {errno.ENOENT, errno.ENAMETOOLONG, errno.ELOOP}
 # torch.distributed's errors: DistBackendError, DistNetworkError, DistStoreError (torch 2.9 has all)
 DIST_ERROR = getattr(dist, "DistError", ())  # (): matches nothing
 GLOO_SOURCE = re.compile(r"\[\S*gloo/\S*:\d+\]")  # starts gloo's errors, plain RuntimeErrors
@@ -45,6 +50,27 @@ class NodeError(UsageError):
 
 class Retryable(Exception):
     """What may pass on a retry (a peer lost, an I/O error): one line, exit code 75."""
+
+
+class InputError(UsageError):
+    """The user's input (data, --init-from) missing or unreadable: exit 2. A DataLoader re-raises a
+    worker's error as its type called with the worker's traceback, whose last line is this one's."""
+
+    def __init__(self, line):
+        Exception.__init__(self, line.rstrip().rpartition(f"{__name__}.{type(self).__name__}: ")[2])
+
+
+class InputRetry(Retryable):  # reading it failed in the storage (EIO, ESTALE): exit 75
+    __init__ = InputError.__init__
+
+
+def input_error(error, what):
+    """The line for an OSError reading the user's ``what``, naming the file and the error: exit 2
+    (missing, a permission, not a file; no errno: its contents, as PIL's), or 75 (the storage's)."""
+    name, why = error.filename or "a file", error.strerror or str(error) or type(error).__name__
+    if error.errno is None or error.errno in INPUT_ERRNOS:
+        return InputError(f"{what}: {name} cannot be read ({why}): fix it, or the path to it")
+    return InputRetry(f"{what}: reading {name} failed ({why})")
 
 
 class Stopped(Exception):
@@ -234,7 +260,7 @@ def on_rank_0(work, what, share=True):
 
 class StopSignals:
     """Stop signals (SIGTERM, SLURM's SIGUSR1, Ctrl-C, a closed terminal), the ranks' agreed
-    stop. A second, over a second later, ends it: a thread watches, as a blocked rank can't."""
+    stop. A second, STOP_GRACE later, ends it: a thread watches, as a blocked rank can't."""
 
     SECONDS = 1.0  # of training between two agreements: the most a stop waits
 
@@ -255,7 +281,7 @@ class StopSignals:
             for number in (n for n in os.read(read, 64) if n in STOP_SIGNALS):
                 if first is None:
                     first, self.received = time.monotonic(), number
-                elif time.monotonic() - first > 1:
+                elif time.monotonic() - first > STOP_GRACE:
                     rank, name = os.environ.get("RANK", "0"), signal.Signals(number).name
                     say(f"{name} again: rank {rank} ends now, with no checkpoint", 0)
                     os._exit(128 + number)

@@ -17,7 +17,7 @@ import struct
 import torch
 import torch.distributed as dist
 
-from plumbing.failures import UsageError, on_rank_0
+from plumbing.failures import UsageError, input_error, on_rank_0
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
@@ -41,11 +41,15 @@ def load(model, path, log):
             )
         done = set()  # a tied weight, once
         for file in files if kind != "dcp" else []:
-            with open_weights(file) as weights:
-                for name, (where, key) in names.items():
-                    if where == file and id(mine[name]) not in done:
-                        done.add(id(mine[name]))
-                        fill(mine[name], lambda index, key=key: weights(key, index))
+            try:
+                with open_weights(file) as weights:
+                    for name, (where, key) in names.items():
+                        if where == file and id(mine[name]) not in done:
+                            done.add(id(mine[name]))
+                            fill(mine[name], lambda index, key=key: weights(key, index))
+            except OSError as error:  # an I/O error is one, not a file of something else
+                error.filename = file if error.filename is None else error.filename  # a read's
+                raise input_error(error, "--init-from") from None
     how = "each rank read its own parts" if dist.get_world_size() > 1 else "read"
     log(
         f"initialised the model from {path} ({len(names)} tensors, {how}); the optimizer and "
@@ -197,9 +201,9 @@ def listing(path):
                 f"--init-from {path}: a folder with no {SINGLE}, {INDEX} or checkpoint"
             ) from None
         return "dcp", [checkpoint], checkpoint_listing(checkpoint)
-    if not os.path.isfile(path):
-        raise UsageError(f"--init-from {path}: no such file or folder")
     try:
+        with open(path, "rb"):  # the OS's own word: missing, a permission, a device's error
+            pass
         if path.endswith(".index.json"):
             with open(path) as f:
                 weight_map = json.load(f)["weight_map"]
@@ -214,6 +218,9 @@ def listing(path):
         if path.endswith(".safetensors"):
             return "safetensors", [path], safetensors_listing(path)
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except OSError as error:  # an I/O error is one, not a file of something else
+        error.filename = path if error.filename is None else error.filename  # a read's
+        raise input_error(error, "--init-from") from None
     except Exception as error:  # the errors vary
         why = " ".join(str(error).split())[:200]
         raise UsageError(f"--init-from {path} is not a file of weights ({why})") from None

@@ -9,9 +9,9 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from plumbing.failures import NodeError, UsageError
+from plumbing.failures import NodeError, UsageError, input_error
 
 # Features a default run does not use, each in plumbing/<flag>.py and imported only when its flag is
 # given (nanoGPT's `if wandb_log: import wandb`): a copy carries only the files it uses.
@@ -217,18 +217,18 @@ def autocast(args, device):  # for the forward, CPU and GPU alike
 class Batches:
     """Indices to (inputs, labels) batches on ``device``: by index from a TensorDataset there,
     else one DataLoader, forked once (3.11 can hang a fork as another loader's threads end).
-    Once the model is known (``expect``), its data is checked against it: all of a TensorDataset
-    there, at once, else the first batch drawn."""
+    Once the model is known (``expect``), its data is checked against it: a TensorDataset whole,
+    at once, and every batch a DataLoader draws, on the host before it moves (no GPU sync)."""
 
     def __init__(self, dataset, batch_size, device, dtype, workers=0, seed=0):
         self.dataset, self.batch_size, self.device, self.dtype = dataset, batch_size, device, dtype
         self.order = []  # the DataLoader's sampler: each call fills it
         gather = isinstance(dataset, TensorDataset) and dataset.tensors[0].device == device
-        self.expected = None  # what the model takes, for a DataLoader's first batch
+        self.expected, self.name = None, "the data"  # what the model takes, for each batch drawn
         self.loader = None
         if workers or not gather:
             self.loader = DataLoader(
-                dataset,
+                _Reads(dataset),
                 batch_size,
                 sampler=self.order,
                 num_workers=workers,
@@ -244,27 +244,53 @@ class Batches:
             loaded = (self.dataset[indices[i : i + size]] for i in range(0, len(indices), size))
         else:
             self.order[:], loaded = indices, self.loader
-        for inputs, labels in loaded:  # floating inputs in the model's dtype
-            dtype = self.dtype if inputs.is_floating_point() else None
+        for start, (inputs, labels) in zip(range(0, len(indices), self.batch_size), loaded):
+            if self.expected and labels.device.type == "cpu":  # as drawn, on the host
+                rows = self.order[start : start + len(labels)]
+                check_data(inputs, labels, rows, self.expected, self.name)
+            dtype = self.dtype if inputs.is_floating_point() else None  # floats: the model's
             inputs = inputs.to(self.device, dtype, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
-            if self.expected:  # a DataLoader's first batch since ``expect``
-                check_data(inputs, labels, list(self.order or indices), self.expected)
-                self.expected = None
             yield inputs, labels
 
-    def expect(self, expected):
-        """What the model takes (``check_data_fits``): a DataLoader's next batch is checked with
-        it, a TensorDataset on the device now, whole (a sync a chunk)."""
-        if self.loader is not None:
+    def expect(self, expected, name="the data"):
+        """What the model takes (``check_data_fits``): a TensorDataset, held in memory, is checked
+        now, whole (a sync a chunk on a GPU); each batch a DataLoader draws of anything else, as
+        drawn. ``name`` (the training set, the test set) is said with a sample's index."""
+        self.name = name
+        if not isinstance(self.dataset, TensorDataset):
             self.expected = expected
             return
         count, chunk = len(self.dataset), 8192  # a chunk's copy: 25 MB of MNIST
         for start in range(0, count, chunk):
             rows = range(start, min(start + chunk, count))
-            index = torch.arange(rows.start, rows.stop, device=self.device)
+            index = torch.arange(rows.start, rows.stop, device=self.dataset.tensors[0].device)
             inputs, labels = self.dataset[index]
-            check_data(inputs, labels, rows, expected)
+            check_data(inputs, labels, rows, expected, name)
+
+
+class _Reads(Dataset):
+    """``dataset`` as a DataLoader reads it: an OSError is the user's input (input_error)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):  # a read's OSError names no file: the sample is named
+        return self._read(self.dataset.__getitem__, index, f"sample {index}")
+
+    def __getitems__(self, indices):  # a batch at once, where the dataset reads so
+        if read := getattr(self.dataset, "__getitems__", None):
+            return self._read(read, indices, f"a batch from sample {indices[0]}")
+        return [self[i] for i in indices]
+
+    def _read(self, read, index, what):
+        try:
+            return read(index)
+        except OSError as error:
+            raise input_error(error, f"the data ({what})") from None
 
 
 def check_data_fits(model, train_batches, test_batches):
@@ -294,17 +320,18 @@ def check_data_fits(model, train_batches, test_batches):
             f"your model's forward returned {type(logits).__name__}, not one tensor of logits "
             "(..., classes): return only the logits (a Hugging Face model's output.logits)"
         )
-    for batches in (train_batches, test_batches):
-        batches.expect(expected | {"logits": list(logits.shape[1:])})
+    for batches, name in ((train_batches, "the training set"), (test_batches, "the test set")):
+        batches.expect(expected | {"logits": list(logits.shape[1:])}, name)
 
 
-def check_data(inputs, labels, samples, expected):
+def check_data(inputs, labels, samples, expected, name="the data"):
     """One line for data that does not fit the model (``check_data_fits``'s ``expected``).
-    ``samples``: the data set's index of each row, or None; ``labels``: None, for ids alone."""
+    ``samples``: the data set's index of each row, or None; ``labels``: None, for ids alone;
+    ``name``: the data set's."""
     checks = []  # (what, its tensor, how many the model has, what the model has, the fix)
     if expected.get("embedding") and not inputs.is_floating_point():
-        name, rows = expected["embedding"]
-        has, fix = f"vocabulary of {{}} (the rows of {name})", "a vocabulary of at least {}"
+        module, rows = expected["embedding"]
+        has, fix = f"vocabulary of {{}} (the rows of {module})", "a vocabulary of at least {}"
         checks.append(("token id", inputs, rows, has, fix))
     if labels is not None and not labels.is_floating_point():  # floats: probabilities
         targets, logits = list(labels.shape[1:]), expected["logits"]
@@ -325,7 +352,7 @@ def check_data(inputs, labels, samples, expected):
             row = (tensor == bad).reshape(len(tensor), -1).any(dim=1).nonzero()[0, 0].item()
             sample = "a sample" if samples is None else f"sample {samples[row]}"
             raise UsageError(
-                f"{sample} of the data has {what} {bad}, outside the model's {has.format(size)}: "
+                f"{sample} of {name} has {what} {bad}, outside the model's {has.format(size)}: "
                 f"fix the data, or give the model {fix.format(max(bad + 1, size))}"
             )
 

@@ -319,7 +319,7 @@ def with_full_disk(directory, command, before=":"):
     )
 
 
-def bound_by_permissions(command, cwd=None):
+def bound_by_permissions(command, cwd=None, **env):
     """Start ``command`` (2 processes) so that file permissions bind it: under root, in a user
     namespace of its own, where the real root's files are not its own and root's right to ignore
     permissions does not reach them."""
@@ -327,7 +327,7 @@ def bound_by_permissions(command, cwd=None):
     return Run(
         command if os.geteuid() else ["unshare", "--user", *command],
         cwd=cwd,
-        env=launcher_env(NPROC_PER_NODE=2),
+        env=launcher_env(NPROC_PER_NODE=2, **env),
     )
 
 
@@ -471,6 +471,12 @@ def test_a_warmup_longer_than_half_the_run_is_refused_and_the_default_one_is_sho
 # an IndexError's traceback. A case: (the line that replaces models.build's in a copy of
 # train_ddp.py, its flags, the error).
 BUILD = "    model = models.build(args, train_set, device, dtype)  # --model, for the data\n"
+LOAD = (
+    "    dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)\n"
+)
+# rank 0's 101st sample of epoch 1 (DistributedSampler's order over the 640 of mnist_dir, 2 ranks):
+# in its second batch of 64
+DEEP = torch.randperm(640, generator=torch.Generator().manual_seed(0))[2 * 100].item()
 MISFITS = {
     "token-id-beyond-the-vocabulary": (
         "    size = {**models.SIZES[args.model], 'block_size': train_set.block_size}\n"
@@ -483,15 +489,35 @@ MISFITS = {
     "label-outside-the-classes": (
         "    model = models.BabyCNN(1, 5, 28, 1, device=device, dtype=dtype)\n",
         mnist_args("{mnist}"),
-        "of the data has label 9, outside the model's 5 classes (its logits' last dimension): "
+        "of the training set has label 9, outside the model's 5 classes (its logits' last "
+        "dimension): "
         "fix the data, or give the model at least 10 outputs",
     ),
-    # read through a DataLoader (not a tensor on the device): its first batch is checked
+    # read through a DataLoader (a TensorDataset on the CPU, for workers): checked whole, first
     "label-outside-the-classes-read-by-workers": (
         "    model = models.BabyCNN(1, 5, 28, 1, device=device, dtype=dtype)\n",
         [*mnist_args("{mnist}"), "--workers", "1"],
         "outside the model's 5 classes (its logits' last dimension): fix the data, or give the "
         "model at least ",
+    ),
+    # a test set held in memory (a TensorDataset on the CPU, for --workers): checked whole,
+    # before step 1, not as its first batch is drawn after the first epoch
+    "a-label-in-a-test-set-held-in-memory": (
+        (LOAD, LOAD + "    test_set.tensors[1][250] = 12\n"),
+        [*mnist_args("{mnist}"), "--workers", "1"],
+        "error: sample 250 of the test set has label 12, outside the model's 10 classes",
+    ),
+    # a Dataset of the user's (not a TensorDataset), read by a worker: every batch is checked as it
+    # is drawn, on the host; this sample is in rank 0's second batch (DEEP)
+    "a-label-deep-in-a-dataloaders-training-set": (
+        (
+            LOAD,
+            LOAD
+            + f"    train_set.tensors[1][{DEEP}] = 12\n"
+            + "    train_set = torch.utils.data.Subset(train_set, range(len(train_set)))\n",
+        ),
+        [*mnist_args("{mnist}"), "--workers", "1"],
+        f"error: sample {DEEP} of the training set has label 12, outside the model's 10 classes",
     ),
     "targets-of-another-shape": (
         "    model = models.BabyCNN(1, 10, 28, 1, device=device, dtype=dtype)\n"
@@ -510,8 +536,10 @@ def misfits(mnist_dir, tmp_path_factory):
     script = (ROOT / "train_ddp.py").read_text()
     assert script.count(BUILD) == 1  # the line a copy replaces (README: Copy a script)
     started = {}
+    assert script.count(LOAD) == 1
     for case, (build, flags, _) in MISFITS.items():
-        (tmp / f"{case}.py").write_text(script.replace(BUILD, build))
+        old, new = (BUILD, build) if isinstance(build, str) else build
+        (tmp / f"{case}.py").write_text(script.replace(old, new))
         flags = [str(flag).format(mnist=mnist_dir) for flag in flags]
         started[case] = Run(
             ["bash", ROOT / "launch.sh", tmp / f"{case}.py", *flags, "--log-every", "1"],
@@ -524,4 +552,85 @@ def misfits(mnist_dir, tmp_path_factory):
 def test_data_that_does_not_fit_the_model_is_one_line_before_the_first_step(case, misfits):
     run = misfits[case].wait()
     assert_one_line_error(run, MISFITS[case][2])
-    assert "step 1/" not in run.output and "attempt" not in run.output, run.output
+    assert "attempt" not in run.output, run.output
+    if "deep" in case:  # found as its batch was drawn: after step 1, before step 2
+        assert "step 1/" in run.output and "step 2/" not in run.output, run.output
+    else:
+        assert "step 1/" not in run.output, run.output
+
+
+FILE_CLUSTERS = """
+import os
+
+_Points = Clusters
+
+
+class Clusters(torch.utils.data.Dataset):  # the same points, read from a file a sample
+    def __init__(self, count, seed):
+        self.folder, self.count = os.path.join(os.environ["CLUSTERS"], str(seed)), count
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, index):
+        with open(os.path.join(self.folder, f"{index}.txt")) as file:
+            x, y, label = file.read().split()
+        return torch.tensor([float(x), float(y)]), int(label)
+"""
+
+
+@pytest.mark.slow  # 4 launches of 2 ranks, each training to the file: 50 s on 2 cores
+def test_the_users_own_data_file_missing_or_unreadable_is_one_line_also_from_a_worker(tmp_path):
+    """The README's copy with a Dataset that reads a file a sample: a training file missing (with
+    and without DataLoader workers), unreadable (chmod 000, bound by permissions) or failing with a
+    real EIO (a symlink to /proc/self/mem). Each is one line naming the file and the OS error: the
+    first two exit 2, never retried; the EIO is the storage's, exit 75. A worker re-raises its
+    error without the errno and with its whole traceback: the line must come through it whole."""
+    from test_template import copy_command, make_copy
+
+    project, user_file = make_copy(tmp_path, ["train_ddp.py"])
+    (project / "mymodel.py").write_text(user_file + FILE_CLUSTERS)
+    points = {}
+    exec(user_file, points)
+    for seed, count in ((0, 4096), (1, 1024)):
+        folder = tmp_path / "clusters" / str(seed)
+        folder.mkdir(parents=True)
+        data = points["Clusters"](count, seed)
+        for index in range(count):
+            x, y = data.points[index].tolist()
+            (folder / f"{index}.txt").write_text(f"{x} {y} {data.labels[index].item()}")
+    cases = {  # name: (the training file's fate, --workers)
+        "missing": ("unlink", "0"),
+        "missing-in-a-worker": ("unlink", "1"),
+        "unreadable-in-a-worker": ("chmod", "1"),
+        "eio-in-a-worker": ("eio", "1"),
+    }
+    runs = {}
+    for name, (fate, workers) in cases.items():
+        folder = tmp_path / name
+        shutil.copytree(tmp_path / "clusters", folder)
+        bad = folder / "0" / "100.txt"
+        bad.unlink()
+        if fate == "chmod":
+            bad.write_text("1 1 0")
+            bad.chmod(0)
+        elif fate == "eio":
+            bad.symlink_to("/proc/self/mem")
+        command = [*copy_command(), "--epochs", "1", "--no-eval", "--workers", workers]
+        env = {"CLUSTERS": folder, "PYTHONPATH": project}
+        if fate == "chmod":
+            runs[name] = bound_by_permissions(command, cwd=project, **env)
+        else:
+            runs[name] = Run(command, env=launcher_env(NPROC_PER_NODE=2, **env), cwd=project)
+    for name, run in runs.items():
+        bad = tmp_path / name / "0" / "100.txt"
+        if name.startswith("eio"):
+            run.wait()
+            assert run.returncode == 75, run.output
+            line = "error: the data (sample 100): reading a file failed (Input/output error); it "
+            line += "may pass on a retry"  # (a read's OSError names no file)
+            assert line in run.output, run.output
+            continue
+        why = "Permission denied" if name.startswith("unreadable") else "No such file or directory"
+        line = f"the data (sample 100): {bad} cannot be read ({why}): fix it, or the path to it"
+        assert_one_line_error(run.wait(), line)

@@ -27,6 +27,7 @@ from conftest import (
     worker_pids,
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_bad_input import bound_by_permissions
 
 # 40 fp32 steps over 2 epochs (20 steps each at global batch 32), a checkpoint every 10 steps.
 LONG = [
@@ -404,7 +405,12 @@ def test_resume_from_an_older_checkpoint_ends_as_the_uninterrupted_run(
         f"--resume-from {checkpoints}/step-30: the newer step-40 moved aside to abandoned-step-<N>"
         in run.output
     )
-    assert sorted(os.listdir(checkpoints)) == ["abandoned-step-40", "step-30", "step-40"]
+    assert sorted(os.listdir(checkpoints)) == [
+        "abandoned-step-40",
+        "history.json",  # what --keep-checkpoints pruned: step-10, step-20
+        "step-30",
+        "step-40",
+    ]
     # The same command again (a requeued job keeps its flags): it goes on from its branch, not back
     # to step 30
     again = succeeded(
@@ -469,6 +475,22 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_newest_intact_one_resumes(
     assert (
         checkpoints / "step-40" / "checkpoint.json"
     ).exists()  # trained on to step 40 and saved it again
+    # every later start says what was set aside, until it is deleted
+    again = succeeded(
+        python(
+            "train_ddp.py",
+            *mnist_args(mnist_dir),
+            *LONG,
+            "--no-eval",
+            "--checkpoint-dir",
+            checkpoints,
+        )
+    )
+    assert (
+        f"checkpoint {aside} was set aside as damaged ({data_file.name} does not match its SHA-256 "
+        "in checkpoint.json): delete it once looked at"
+    ) in again.output, again.output
+    assert f"resumed from {checkpoints}/step-40 (step 40," in again.output
     assert (
         max_difference(
             load_weights(tmp_path / "final.pt"), load_weights(uninterrupted("ddp") / "final.pt")
@@ -515,8 +537,16 @@ def test_bad_checkpoints_are_one_line_errors(uninterrupted, mnist_dir, tmp_path)
             "train_ddp.py",
             ["--checkpoint-dir", intact, "--resume-from", "step-20"],
             f"--resume-from step-20: no such checkpoint; {intact} holds step-30, step-40: resume "
-            "from one of those (--keep-checkpoints 2 keeps the newest 2: step-20 was deleted when "
-            "newer ones were saved; raise it to keep more)",
+            "from one of those (step-20 was pruned: --keep-checkpoints 2 keeps the newest 2; "
+            "raise it to keep more)",
+        ),
+        # a step never saved: not "pruned" (test_checkpoint_read_errors_are_not_damage checks)
+        (
+            1,
+            "train_ddp.py",
+            ["--checkpoint-dir", intact, "--resume-from", "step-50"],
+            f"--resume-from step-50: no such checkpoint; {intact} holds step-30, step-40: resume "
+            "from one of those",
         ),
         # this model's checkpoint, with SGD's state (LONG's): not "another model's"
         (
@@ -533,11 +563,66 @@ def test_bad_checkpoints_are_one_line_errors(uninterrupted, mnist_dir, tmp_path)
         launch(script, processes, *mnist_args(mnist_dir), *LONG, "--batch-size", "16", *flags)
         for processes, script, flags, _ in cases
     ]
-    for run, (processes, *_, message) in zip(runs, cases):
+    for run, (processes, _, flags, message) in zip(runs, cases):
         assert_one_line_error(run.wait(), str(message))
+        assert ("pruned" in run.output) == ("step-20" in flags), run.output
         assert (
             processes > 1 or "Traceback" not in run.output
         )  # (torchrun reports a failed worker with one)
     assert (broken / "step-40").is_dir() and (
         broken / "step-30"
     ).is_dir()  # with none intact, nothing is moved
+
+
+def test_checkpoint_read_errors_are_not_damage(uninterrupted, mnist_dir, tmp_path):
+    """A file of the newest checkpoint that cannot be read is the environment's, not damage: a real
+    EIO (the file a symlink to /proc/self/mem, whose read at offset 0 fails so) exits 75 for
+    torchrun to retry; a directory in a file's place (EISDIR; chmod 000 does not stop root) is one
+    line, exit 2. Each names the file, and nothing is moved aside or skipped. 2 ranks: the file is
+    rank 1's (__1_0.distcp), which rank 1 alone hashes."""
+    eio = copy_checkpoints(uninterrupted("ddp"), tmp_path / "eio")
+    isdir = copy_checkpoints(uninterrupted("ddp"), tmp_path / "isdir")
+    (eio / "step-40" / "__1_0.distcp").unlink()
+    (eio / "step-40" / "__1_0.distcp").symlink_to("/proc/self/mem")
+    (isdir / "step-40" / "__1_0.distcp").unlink()
+    (isdir / "step-40" / "__1_0.distcp").mkdir()
+    # a --resume-from path whose checkpoint.json this user may not read (bound by permissions)
+    eacces = copy_checkpoints(uninterrupted("ddp"), tmp_path / "eacces")
+    (eacces / "step-40" / "checkpoint.json").chmod(0)
+    unreadable = bound_by_permissions(
+        ["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), *LONG, "--batch-size", "16"]
+        + ["--checkpoint-dir", tmp_path / "other", "--resume-from", eacces / "step-40"]
+    )
+    runs = [
+        launch(
+            "train_ddp.py",
+            2,
+            *mnist_args(mnist_dir),
+            *LONG,
+            "--batch-size",
+            "16",
+            "--checkpoint-dir",
+            folder,
+        )
+        for folder in (eio, isdir)
+    ]
+    read_error = "a read error, not damage; no checkpoint was moved aside or skipped"
+    eio_run = runs[0].wait()
+    assert eio_run.returncode == 75, eio_run.output
+    assert (
+        f"error: checkpoint {eio}/step-40: {eio}/step-40/__1_0.distcp cannot be read "
+        f"(Input/output error): {read_error}; it may pass on a retry"
+    ) in eio_run.output, eio_run.output
+    assert_one_line_error(
+        runs[1].wait(),
+        f"checkpoint {isdir}/step-40: {isdir}/step-40/__1_0.distcp cannot be read (Is a "
+        f"directory): {read_error}; fix that, and the same command resumes from it",
+    )
+    assert_one_line_error(
+        unreadable.wait(),
+        f"checkpoint {eacces}/step-40: {eacces}/step-40/checkpoint.json cannot be read "
+        f"(Permission denied): {read_error}",
+    )
+    for folder in (eio, isdir, eacces):
+        assert sorted(p.name for p in folder.iterdir()) == ["history.json", "step-30", "step-40"]
+        assert "resumed from" not in "".join(run.output for run in [*runs, unreadable])

@@ -435,3 +435,29 @@ def test_a_failure_is_retried_by_its_type_never_by_its_text(kind):
         assert retry.startswith("a collective failed ("), retry
     elif retry and kind in ("ecc", "lost-gpu"):
         assert retry.startswith("the GPU failed (CUDA error: "), retry
+
+
+def test_a_read_error_is_retried_only_when_it_is_the_storages():
+    """The user's input and a checkpoint's files: missing, a permission, a directory in a file's
+    place are the user's (exit 2); EIO and ESTALE the storage's (75). Each line names the file and
+    the OS error; a DataLoader worker's re-raise (its type, called with its traceback's text) keeps
+    the line alone."""
+    for number in (errno.ENOENT, errno.EACCES, errno.EISDIR, errno.EIO, errno.ESTALE):
+        error = OSError(number, os.strerror(number), "/data/0/100.txt")
+        retry = number in (errno.EIO, errno.ESTALE)
+        for made in (
+            failures.input_error(error, "the data (sample 100)"),
+            checkpoint_dir.unreadable("ck/step-40", error),
+        ):
+            assert isinstance(made, failures.Retryable) == retry, (number, made)
+            assert isinstance(made, failures.UsageError) == (not retry), (number, made)
+            assert "/data/0/100.txt" in str(made) and os.strerror(number) in str(made), made
+        made = failures.input_error(error, "the data (sample 100)")
+        try:
+            raise made
+        except Exception:
+            wrapped = torch._utils.ExceptionWrapper(where="in DataLoader worker process 0")
+        try:
+            wrapped.reraise()
+        except Exception as reraised:
+            assert type(reraised) is type(made) and str(reraised) == str(made), str(reraised)

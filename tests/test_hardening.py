@@ -23,6 +23,8 @@ from conftest import (
     worker_pids,
 )
 
+from plumbing import failures
+
 STAND_INS = ROOT / "tests" / "stand_ins"
 
 
@@ -144,10 +146,10 @@ def test_a_second_signal_ends_a_rank_stuck_in_a_collective(mnist_dir):
     os.kill(workers[1], signal.SIGSTOP)  # rank 1 stops: rank 0 waits for it in its next all-reduce
     try:
         os.kill(workers[0], signal.SIGTERM)
-        # StopSignals takes a signal over a second after the first as a second one (torchrun's copy
-        # of one signal comes at once): sleep() waits at least that long, however loaded the
+        # StopSignals takes a signal over STOP_GRACE after the first as a second one (torchrun's
+        # copy of one signal comes at once): sleep() waits at least that long, however loaded the
         # machine.
-        time.sleep(1.5)
+        time.sleep(failures.STOP_GRACE + 0.5)
         assert alive(
             workers[0]
         )  # the first only asks for a stop at a logging step, which rank 0 cannot reach

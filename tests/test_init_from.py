@@ -6,6 +6,7 @@ import torch
 from conftest import (
     CONTROL_FLOOR,
     EQUIVALENCE,
+    ROOT,
     TOLERANCE,
     assert_one_line_error,
     launch,
@@ -136,3 +137,35 @@ def test_a_file_that_does_not_fit_is_one_line_and_a_checkpoint_wins_over_it(
     assert (
         f"--init-from {trained / 'trained.pt'} is not used: the checkpoint is newer" in run.output
     )
+
+
+def test_an_init_from_file_missing_or_unreadable_is_named_with_its_os_error(mnist_dir, tmp_path):
+    """--init-from's file missing (exit 2), unreadable (chmod 000, bound by permissions: exit 2) or
+    failing with a real I/O error (a symlink to /proc/self/mem, whose read fails with EIO: exit 75,
+    for a retry): each one line naming the file and the error, never "not a file of weights"."""
+    from test_bad_input import bound_by_permissions
+
+    missing, unreadable, eio = (
+        tmp_path / "missing.pt",
+        tmp_path / "unreadable.pt",
+        tmp_path / "eio.pt",
+    )
+    torch.save({}, unreadable)
+    unreadable.chmod(0)
+    eio.symlink_to("/proc/self/mem")
+    args = [*mnist_args(mnist_dir), "--max-steps", "2", "--init-from"]
+    runs = [launch("train_ddp.py", 2, *args, path) for path in (missing, eio)]
+    runs.append(bound_by_permissions(["bash", ROOT / "run_ddp.sh", *args, unreadable]))
+    assert_one_line_error(
+        runs[0].wait(),
+        f"--init-from: {missing} cannot be read (No such file or directory): fix it, or the path",
+    )
+    assert runs[1].wait().returncode == 75, runs[1].output
+    assert (
+        f"error: --init-from: reading {eio} failed (Input/output error); it may pass on a retry"
+        in runs[1].output
+    ), runs[1].output
+    assert_one_line_error(
+        runs[2].wait(), f"--init-from: {unreadable} cannot be read (Permission denied)"
+    )
+    assert "not a file of weights" not in "".join(run.output for run in runs)

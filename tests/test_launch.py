@@ -16,8 +16,11 @@ from conftest import (
     launcher_env,
     mnist_args,
     our_lines,
+    wait_for,
     worker_pids,
 )
+
+from plumbing import failures
 
 
 def in_mask(pid, field, number):
@@ -413,7 +416,7 @@ def test_a_stop_that_cannot_reach_a_stuck_rank_says_so(signals, mnist_dir):
     # Rank 1 stops (SIGSTOP), so rank 0 waits for it in a collective and neither can reach a
     # checkpoint: torchrun kills both after its shutdown timeout (3 s here, from torch 2.10; 30 s
     # before), or at once on a second signal. with 2 signals, the second surely comes while torchrun
-    # waits
+    # waits, after STOP_GRACE (within it, it is the same stop): a second Ctrl-C, SIGINT
     timeout = 3 if signals == 1 else 300
     run = Run(
         ["bash", ROOT / "run_ddp.sh", *mnist_args(mnist_dir), "--epochs", "50", "--log-every", "1"],
@@ -424,21 +427,23 @@ def test_a_stop_that_cannot_reach_a_stuck_rank_says_so(signals, mnist_dir):
     workers = worker_pids(launcher)
     os.kill(workers[1], signal.SIGSTOP)
     wait_until(lambda: stopped(workers[1]), "rank 1 stopped", run)
-    os.kill(launcher, signal.SIGTERM)
+    number = signal.SIGTERM if signals == 1 else signal.SIGINT
+    os.kill(launcher, number)
     if signals == 2:  # torchrun passed the first on: it is pending at the stopped rank 1
         wait_until(
-            lambda: in_mask(workers[1], "ShdPnd", signal.SIGTERM),
-            "torchrun's SIGTERM pending at rank 1",
+            lambda: in_mask(workers[1], "ShdPnd", number),
+            f"torchrun's {number.name} pending at rank 1",
             run,
         )
-        os.kill(launcher, signal.SIGTERM)
+        time.sleep(failures.STOP_GRACE + 0.5)
+        os.kill(launcher, number)
     run.wait(timeout=90)
     lines = run.output.splitlines()
-    assert run.returncode == 143, run.output
+    assert run.returncode == 128 + number, run.output
     # (without the second signal, the launch would have waited 300 s: run.wait's 90 s would fail)
     if signals == 2:
         assert lines[-1] == (
-            f"SIGTERM again: ending now, without waiting for rank 0 (pid {workers[0]}), rank 1 "
+            f"SIGINT again: ending now, without waiting for rank 0 (pid {workers[0]}), rank 1 "
             f"(pid {workers[1]}) to stop"
         ), run.output
     else:
@@ -460,3 +465,44 @@ def test_a_stop_that_cannot_reach_a_stuck_rank_says_so(signals, mnist_dir):
 def stopped(pid):  # state T: stopped by a signal
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.parametrize(
+    "sender",
+    [
+        "gnu-timeout",
+        pytest.param("launcher-and-workers", marks=pytest.mark.slow),  # 30 s: the suite's budget
+        "twice-in-the-grace",
+    ],
+)
+def test_one_preemption_signalled_to_several_processes_is_one_stop(sender, tmp_path):
+    """GNU timeout passes a SIGTERM to its child and then to the child's process group (the
+    launcher gets it twice); scancel and a pod's deletion signal the launcher and the workers at
+    once (each worker gets it from them and from torchrun). Two copies that arrive while one is
+    pending merge into one, so those two may not deliver twice: the third case sends the launcher
+    a second copy 0.5 s after the first, while the ranks stop (the old launcher ended there, with
+    no checkpoint). Each is one stop: the stop checkpoint written, exit code 143, and no "SIGTERM
+    again"."""
+    command = ["bash", ROOT / "run_ddp.sh", "--batch-size", "16", "--max-steps", "5000"]
+    command += ["--log-every", "100000", "--checkpoint-every", "20", "--no-eval"]
+    command += ["--checkpoint-dir", tmp_path / "ck"]
+    if sender == "gnu-timeout":  # its own limit far away: the SIGTERM below is what it passes on
+        command = ["timeout", "600", *command]
+    run = Run(command, env=launcher_env(NPROC_PER_NODE=2))
+    wait_for(tmp_path / "ck" / "step-20", run)
+    if sender == "gnu-timeout":
+        os.kill(run.process.pid, signal.SIGTERM)
+    elif sender == "launcher-and-workers":
+        for pid in [run.process.pid, *worker_pids(run.process.pid).values()]:
+            os.kill(pid, signal.SIGTERM)
+    else:
+        os.kill(run.process.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        os.kill(run.process.pid, signal.SIGTERM)
+    run.wait()
+    stop = re.search(
+        r"stopped by SIGTERM at step (\d+) of \d+: checkpoint step-(\d+) is in", run.output
+    )
+    assert run.returncode == 143 and stop and stop.group(1) == stop.group(2), run.output
+    assert (tmp_path / "ck" / f"step-{stop.group(1)}" / "checkpoint.json").exists()
+    assert "again" not in run.output, run.output
