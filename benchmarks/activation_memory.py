@@ -87,6 +87,16 @@ def llama_block(tokens, width, mlp, heads, kv_heads):
     return saved_bytes(forward, [*layer.parameters(), *rotary]) / tokens
 
 
+def llama_params():
+    """Llama-3-8B's parameters, from its shapes: the embedding and the untied head, each layer's
+    attention (query and output C x C, key and value C x C_kv), MLP (3 x C x H) and 2 norms, and
+    the final norm: 8,030,261,248."""
+    m = LLAMA_8B
+    C, H, L = m["C"], m["H"], m["layers"]
+    kv = C // m["heads"] * m["kv_heads"]
+    return 2 * m["vocab"] * C + C + L * (2 * C * C + 2 * C * kv + 3 * C * H + 2 * C)
+
+
 def worked_case(a, b, c, e, d, gpus=8, sequence=4096, gpu_bytes=80e9):
     """Llama-3-8B on 8 GPUs at 4k context: the state and the activations a GPU holds, per layout
     (bytes), and the sequences (a microbatch's, for the pipeline) that fit beside the state. State:
@@ -95,7 +105,7 @@ def worked_case(a, b, c, e, d, gpus=8, sequence=4096, gpu_bytes=80e9):
     m = LLAMA_8B
     C, H, L = m["C"], m["H"], m["layers"]
     kv = C // m["heads"] * m["kv_heads"]
-    params = 2 * m["vocab"] * C + C + L * (2 * C * C + 2 * C * kv + 3 * C * H + 2 * C)
+    params = llama_params()
     layer = sequence * (a * C + b * H + c * kv + e * m["heads"] + d)  # a layer, a sequence
     stream = sequence * C * 2  # a block's input, bf16: what checkpointing keeps
     # TP + SP on t ranks: torch keeps the two gathered norm outputs whole (2·C a token, bf16)

@@ -73,3 +73,12 @@ def test_the_llama_case_is_the_benchmarks(measured):
         found = re.findall(r"\d+", fit)
         assert (found[:1] or ["0"]) == [str(figures["fit"])], (name, fit)
     assert case["layouts"]["DDP"]["fit"] == 0 < case["layouts"]["FSDP 8"]["fit"]
+    # the decision chart's last column
+    fsdp, checkpointed = case["layouts"]["FSDP 8"], case["layouts"]["FSDP 8 + checkpointing"]
+    for quote in (
+        f"| the state, {case['layouts']['DDP']['state'] / 1e9:.1f} GB, does not |",
+        f"| {fsdp['state'] / 1e9:.1f} GB a GPU, {fsdp['fit']} sequences; "
+        f"{checkpointed['fit']} checkpointed |",
+        f"| {case['layouts']['TP 8 + SP']['sequence'] / 1e9:.1f} GB a sequence, a ",
+    ):
+        assert quote in text(), quote
