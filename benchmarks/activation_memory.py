@@ -11,6 +11,8 @@ storage once (q, k and v are views of their projections' outputs), leaving out t
   at other batches, positions and widths: the bytes are a multiple of the tokens, linear in the
   width, written as floats per token per unit of width (the "coefficient");
 - the same block under activation checkpointing (torch.utils.checkpoint): only its input is kept;
+- the same block split by train_tp.py's tp_plan() (TP with sequence parallelism) on 2 gloo
+  processes under torchrun: what each rank keeps of block 1, its DTensors' local parts;
 - a Hugging Face LlamaDecoderLayer in bf16, at five small shapes that separate the terms of the
   width C, the MLP's width H, the key/value width C_kv and the heads: its bytes per token,
   a·C + b·H + c·C_kv + e·heads + d. The worked case of Llama-3-8B's shapes uses them.
@@ -20,7 +22,10 @@ Prints a summary; writes JSON to --out (default benchmarks/results/activation_me
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -34,14 +39,15 @@ OUT = ROOT / "benchmarks" / "results" / "activation_memory.json"
 LLAMA_8B = {"C": 4096, "H": 14336, "heads": 32, "kv_heads": 8, "layers": 32, "vocab": 128256}
 
 
-def saved_bytes(forward, params):
-    """Bytes of the tensors ``forward()`` saves for backward, each storage once, less params'."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
+def saved_bytes(forward, params, counting=lambda: True):
+    """Bytes of the tensors ``forward()`` saves for backward, each storage once, less params'
+    (of a DTensor: its local part), while ``counting()``."""
+    skip = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in params}
     storages = {}
 
     def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in skip:
+        storage = getattr(tensor, "_local_tensor", tensor).untyped_storage()
+        if counting() and storage.data_ptr() not in skip:
             storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
@@ -62,6 +68,57 @@ def gpt_block(batch, positions, width, heads=4, checkpointing=False):
         return block(x)
 
     return saved_bytes(forward, block.parameters())
+
+
+def tp_worker(out):
+    """Under torchrun: the GPT split by train_tp.py's tp_plan() over all ranks (gloo); each rank
+    writes the bytes it keeps for backward in block 1 (batch 16 of 64 positions, fp32)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from models.gpt import GPT
+    from train_tp import tp_plan
+
+    dist.init_process_group("gloo")
+    world_size = dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT()
+    parallelize_module(model, init_device_mesh("cpu", (world_size,)), tp_plan(model, world_size))
+    inside = []
+    block = model.blocks[1]
+    block.register_forward_pre_hook(lambda module, args: inside.append(True))
+    block.register_forward_hook(lambda module, args, output: inside.clear())
+    ids = torch.randint(0, 65, (16, 64))
+    kept = saved_bytes(lambda: model(ids), model.parameters(), lambda: bool(inside))
+    sizes = [None] * world_size
+    dist.all_gather_object(sizes, kept)  # collective
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(sizes))
+    dist.destroy_process_group()
+
+
+def gpt_block_tp(world_size=2):
+    """Bytes each of ``world_size`` TP ranks keeps of one GPT block, from tp_worker()."""
+    with tempfile.TemporaryDirectory(prefix="activations-") as folder:
+        out = Path(folder) / "tp.json"
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world_size}",
+            __file__,
+            "--tp-worker",
+            str(out),
+        ]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        if run.returncode:
+            raise SystemExit(
+                f"{' '.join(command)} failed:\n{run.stdout[-2000:]}{run.stderr[-2000:]}"
+            )
+        return json.loads(out.read_text())
 
 
 def llama_block(tokens, width, mlp, heads, kv_heads):
@@ -135,8 +192,11 @@ def worked_case(a, b, c, e, d, gpus=8, sequence=4096, gpu_bytes=80e9):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--tp-worker", metavar="OUT", help=argparse.SUPPRESS)  # under torchrun
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.tp_worker:
+        return tp_worker(args.tp_worker)
 
     shapes = [(16, 64, 128), (8, 64, 128), (16, 32, 128), (16, 64, 256)]  # batch, positions, C
     gpt = [
@@ -145,6 +205,7 @@ def main():
     for row in gpt:  # floats a token, per unit of width
         row["coefficient"] = row["bytes"] / 4 / (row["batch"] * row["positions"] * row["width"])
     checkpointed = gpt_block(16, 64, 128, checkpointing=True)
+    tp_ranks = gpt_block_tp()
 
     # five shapes, each a step from the first (C_kv = 64, heads of 32), to tell the terms apart
     base = {"width": 256, "mlp": 896, "heads": 8, "kv_heads": 2}
@@ -167,6 +228,7 @@ def main():
     results = {
         "gpt": gpt,
         "gpt_checkpointed_bytes": checkpointed,
+        "gpt_tp_sp_bytes": tp_ranks,
         "llama": llama,
         "llama_8b": worked_case(**law),
     }
@@ -176,6 +238,7 @@ def main():
             f"{row['bytes']:,} bytes, {row['coefficient']:g} floats a token per unit of width"
         )
     print(f"GPT block checkpointed (16, 64, 128): {checkpointed:,} bytes")
+    print(f"GPT block, TP + SP on 2 ranks (16, 64, 128): {tp_ranks} bytes a rank")
     print(f"Llama block, bytes a token: {a:g}·C + {b:g}·H + {c:g}·C_kv + {e:g}·heads + {d:g}")
     case = results["llama_8b"]
     print(f"Llama-3-8B, one layer, one sequence of 4,096: {case['layer'] / 1e6:,.0f} MB")

@@ -1,7 +1,8 @@
 """The activations the pages quote (docs/parallelism.md, "Activations" and the Llama-3-8B case),
 held to a fresh run of benchmarks/activation_memory.py: the bytes one block's forward keeps for
 backward, counted with saved-tensor hooks on a CPU, and the formula the page writes from the GPT's
-shapes. Marked slow and pages: about half a minute (the Hugging Face import, four Llama layers)."""
+shapes. Marked slow and pages: about a minute (the Hugging Face import, six Llama layers, a
+torchrun of 2 gloo processes)."""
 
 import json
 import re
@@ -41,6 +42,12 @@ def test_a_gpt_block_keeps_what_its_shapes_say(measured):
     first = measured["gpt"][0]
     assert (first["batch"], first["positions"], first["width"]) == (16, 64, 128)
     assert f"a block keeps {first['bytes']:,} bytes: 4 × B·T × (16·C + h + 4)" in text()
+    # TP + SP on 2 ranks: the gathered norm outputs whole (2·C), the rest split, (h + 4) too
+    t = len(measured["gpt_tp_sp_bytes"])
+    split = 4 * 16 * 64 * (2 * 128 + 14 * 128 // t + (heads + 4) // t)
+    assert measured["gpt_tp_sp_bytes"] == [split] * t and t == 2
+    assert split != first["bytes"] // t  # the negative control: not a plain 1/t of the block
+    assert f"whole: 2·C + 14·C/t. On {t} ranks each keeps {split:,} bytes" in text()
     checkpointed = measured["gpt_checkpointed_bytes"]
     assert checkpointed == 4 * 16 * 64 * 128 < first["bytes"] / 10
     assert f"input, 4 × B·T·C = {checkpointed:,} bytes here" in text()
