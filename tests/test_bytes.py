@@ -25,18 +25,23 @@ def sentence(page, pattern):
 
 
 def model_sizes():
-    """The GPT's sizes, read from the model the scripts build: parameters, the last FSDP unit's
-    and the norms', blocks, width, positions; the scripts' batch and the benchmark's ranks."""
+    """The GPT's sizes, read from the model the scripts build: parameters, those FSDP gathers once
+    (train_fsdp.py's last unit) and the norms', blocks, width, positions; the scripts' batch and
+    the benchmark's ranks."""
     from torch import nn
 
     from models.gpt import GPT
+    from train_fsdp import shard_units
 
     model = GPT()
     count = lambda params: sum(p.numel() for p in params)  # noqa: E731
     norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    # gathered once: what no unit but the last holds (the last unit's, and the root's, if any)
+    units, _ = shard_units(model)
+    earlier = {p for parent, name in units[:-1] for p in getattr(parent, name).parameters()}
     return {
         "P": count(model.parameters()),
-        "P_last": count(model.blocks[-1].parameters()),
+        "P_last": count(p for p in model.parameters() if p not in earlier),
         "P_norm": count(p for m in norms for p in m.parameters()),
         "L": len(model.blocks) - 2,
         "C": model.blocks[0].tokens.embedding_dim,
