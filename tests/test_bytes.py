@@ -173,6 +173,10 @@ def test_the_measurements_page_has_the_benchmarks_table_and_the_rule_holds(count
         "measurements.md", r"`--batch-size 8` ([\d,]+) \(above DDP's, below FSDP's ([\d,]+)\)"
     )
     assert at_8 == sent(counted, "gpt", "tp", 8) and fsdp == sent(counted, "gpt", "fsdp")
+    in_mb = sentence(
+        "measurements.md", r"the three strategies send ([\d.]+), ([\d.]+) and ([\d.]+) MB"
+    )
+    assert in_mb == [f"{sent(counted, 'gpt', s) / 1e6:.1f}" for s in ("ddp", "fsdp", "tp")]
     assert sent(counted, "gpt", "ddp") < at_8 < fsdp
 
 
