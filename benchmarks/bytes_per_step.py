@@ -2,6 +2,7 @@
 
     python benchmarks/bytes_per_step.py            # BabyCNN and the GPT, DDP, FSDP and TP: 1 minute
     python benchmarks/bytes_per_step.py --model gpt --strategy tp --batch-size 4
+    python benchmarks/bytes_per_step.py --model gpt --precision bf16   # the rule's dtype
 
 For each model and strategy it launches the real script under torchrun on --world-size CPU processes
 (gloo), for --step steps, with `--profile-steps S:S --log-dir DIR`: each rank writes a trace of its
@@ -22,9 +23,10 @@ match). The bytes one rank sends are the ring algorithm's, the way NCCL runs the
 
 Gloo runs a reduce-scatter as an all-reduce of the whole tensor (the report says what gloo ran), so
 on a CPU its reduce-scatters send twice the ring's bytes; the table keeps the ring's figure, the
-cost on a GPU. The calls after the optimizer step are the loop's bookkeeping, not the step's: the
-stop agreement (a 2-element all-reduce, at logging steps and about once a second) and the logged
-loss's all-reduce (1 element, at logging steps). They are listed apart and left out of the totals.
+cost on a GPU, and the JSON adds gloo's own as sent_per_rank_gloo. The calls after the optimizer
+step are the loop's bookkeeping, not the step's: the stop agreement (a 2-element all-reduce, at
+logging steps and about once a second) and the logged loss's all-reduce (1 element, at logging
+steps). They are listed apart and left out of the totals.
 
 Prints a table; writes the figures as JSON to --out, by default (for the default run only)
 benchmarks/results/bytes_per_step.json.
@@ -126,7 +128,7 @@ def summarize(calls, world_size):
     return kinds
 
 
-def count(model, strategy, world_size=2, step=3, batch_size=None, log=print):
+def count(model, strategy, world_size=2, step=3, batch_size=None, log=print, precision=None):
     """Run ``strategy``'s script on ``model`` for ``step`` steps; one figure set per rank."""
     with tempfile.TemporaryDirectory(prefix="bytes-") as log_dir:
         command = [
@@ -150,6 +152,7 @@ def count(model, strategy, world_size=2, step=3, batch_size=None, log=print):
         ]
         command += ["--tp", str(world_size)] if strategy == "tp" else []
         command += ["--batch-size", str(batch_size)] if batch_size else []
+        command += ["--precision", precision] if precision else []
         env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
         env.pop("RANK", None)
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -172,11 +175,17 @@ def count(model, strategy, world_size=2, step=3, batch_size=None, log=print):
         "strategy": strategy,
         "world_size": world_size,
         "batch_size": batch_size,
+        "precision": precision,
         "start_line": start,
         "step": step_kinds,
         "after_step": ranks[0]["after_step"],
         "n": sum(row["n"] for row in step_kinds.values()),
         "sent_per_rank": sum(row["sent"] for row in step_kinds.values()),
+        # gloo's own: its reduce-scatter is an all-reduce of the whole tensor
+        "sent_per_rank_gloo": sum(
+            RING[row["gloo"]] * (world_size - 1) * row["n"] // world_size
+            for row in step_kinds.values()
+        ),
     }
 
 
@@ -208,13 +217,16 @@ def main():
     parser.add_argument("--world-size", type=int, default=2, help="processes (and --tp for TP)")
     parser.add_argument("--step", type=int, default=3, help="the step counted (runs this many)")
     parser.add_argument("--batch-size", type=int, help="default: the script's for the model")
-    parser.add_argument("--out", type=Path, help="the JSON; default: " + str(OUT.relative_to(ROOT)))
+    parser.add_argument("--precision", choices=("fp32", "bf16"), help="default: the script's")
+    parser.add_argument(
+        "--out", "--metrics", type=Path, help="the JSON; default: " + str(OUT.relative_to(ROOT))
+    )
     args = parser.parse_args()
     defaults = parser.parse_args([])
     if args.out is None and vars(args) == vars(defaults):  # a partial run leaves the results be
         args.out = OUT
     results = [
-        count(model, strategy, args.world_size, args.step, args.batch_size)
+        count(model, strategy, args.world_size, args.step, args.batch_size, print, args.precision)
         for model in args.model
         for strategy in args.strategy
     ]
