@@ -69,16 +69,18 @@ def run(main, *also):
     ``also`` or ``bug_or_bad_data``; 75: ``transient``; 1: a crash; 128 + a signal)."""
     die_with_torchrun()
     ending = None  # (line, exit code, the rank that says it, note it for torchrun?)
+    problem = None  # what ended main(), if anything: whether the ranks end together
     try:
         main()
     except (UsageError, *also) as error:
         node = int(os.environ.get("LOCAL_RANK", "0")) if isinstance(error, NodeError) else None
-        ending = (f"error: {error}", 2, node, True)
+        ending, problem = (f"error: {error}", 2, node, True), error
     except Stopped as stop:  # noted: the launcher keeps its exit code, and says it if no one did
-        ending = (*stop.args, None, True)
-    except KeyboardInterrupt:  # before the training loop's StopSignals
-        ending = ("stopped by SIGINT during start-up", 130, None, True)
+        ending, problem = (*stop.args, None, True), stop
+    except KeyboardInterrupt as error:  # before the training loop's StopSignals
+        ending, problem = ("stopped by SIGINT during start-up", 130, None, True), error
     except Exception as error:
+        problem = error
         under_torchrun = bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
         if cause := transient(error):  # each rank's: the launcher prints the first
             why = "exit code 75: torchrun restarts it while MAX_RESTARTS allows"
@@ -90,18 +92,28 @@ def run(main, *also):
             ending = (traceback.format_exc().rstrip(), 1, -1, True)
         else:  # plain python: its traceback, main's objects gone first
             traceback.clear_frames(error.__traceback__)
-            _end_process_group()
+            _end_process_group(problem)
             raise
-    _end_process_group()
+    _end_process_group(problem)
     if ending:
         _end(*ending)
 
 
-def _end_process_group():
+def ends_together(problem, world_size):
+    """Whether this rank's end destroys the process group: only where every rank ends together (main
+    returned, or an agreed stop) or it has no peer. On NCCL the destroy flushes the communicator
+    and waits for peers that may sit in a collective this rank will never join: one rank's error
+    would hang the job until their watchdog (torchtitan PR 1342). Without it, the error's exit
+    ends this rank at once, and torchrun stops the others."""
+    return problem is None or isinstance(problem, Stopped) or world_size == 1
+
+
+def _end_process_group(problem):
+    if not dist.is_initialized() or not ends_together(problem, dist.get_world_size()):
+        return
     # FSDP's objects sit in reference cycles: collected before the group and gloo's threads end.
     gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    dist.destroy_process_group()
 
 
 def die_with_torchrun():

@@ -13,15 +13,19 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import (
     EQUIVALENCE,
+    ROOT,
+    Run,
     assert_one_line_error,
     assert_same_math,
     child_env,
     load_weights,
     mnist_args,
+    our_lines,
     python,
     run_sh,
     succeeded,
     torchrun,
+    with_this_pythons_torchrun,
 )
 
 GPUS = torch.cuda.device_count()
@@ -244,3 +248,36 @@ def test_deterministic_reruns_are_bitwise_equal(model, mnist_dir, tmp_path):
         assert "does not have a deterministic implementation" not in succeeded(run).output
     first, second = (load_weights(tmp_path / f"{n}.pt") for n in (1, 2))
     assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+# ---- 2+ GPUs: what NCCL does and gloo cannot show (issue 60) ----
+two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs: NCCL between two ranks")
+
+NCCL_ALONE = """import os, time
+import torch, torch.distributed as dist
+from plumbing import failures
+
+def main():
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    if dist.get_rank() == 1:
+        raise OSError(5, "Input/output error")  # rank 1's own error: exit code 75
+    dist.all_reduce(torch.ones(1000, device=device))  # rank 1 never joins it
+    torch.cuda.synchronize()
+
+failures.run(main)
+"""
+
+
+@two_gpus
+def test_one_ranks_own_error_ends_an_nccl_job_within_seconds(tmp_path):
+    """Rank 0 waits in an all-reduce rank 1 never joins: rank 1 exits at once with its line (no
+    destroy_process_group, whose flush would wait for rank 0), and torchrun's signal ends rank 0
+    long before NCCL's watchdog (10 minutes)."""
+    (tmp_path / "worker.py").write_text(NCCL_ALONE)
+    env = with_this_pythons_torchrun(gpu_env(NPROC_PER_NODE=2))
+    run = Run(["bash", ROOT / "launch.sh", tmp_path / "worker.py"], env=env).wait(timeout=300)
+    assert run.returncode == 75 and run.seconds < 90, run.output
+    assert our_lines(run.output)[-1].startswith("error: OSError: [Errno 5] Input/output error")
+    assert "SIGABRT" not in run.output and "Traceback" not in run.output, run.output
