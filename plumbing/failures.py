@@ -68,8 +68,7 @@ def run(main, *also):
     """``main()``, then the process group's end: one line and an exit code (2: a UsageError, an
     ``also`` or ``bug_or_bad_data``; 75: ``transient``; 1: a crash; 128 + a signal)."""
     die_with_torchrun()
-    ending = None  # (line, exit code, the rank that says it, note it for torchrun?)
-    problem = None  # what ended main(), if anything: whether the ranks end together
+    ending, problem = None, None  # (line, exit code, the rank that says it, note it?); what raised
     try:
         main()
     except (UsageError, *also) as error:
@@ -100,20 +99,16 @@ def run(main, *also):
 
 
 def ends_together(problem, world_size):
-    """Whether this rank's end destroys the process group: only where every rank ends together (main
-    returned, or an agreed stop) or it has no peer. On NCCL the destroy flushes the communicator
-    and waits for peers that may sit in a collective this rank will never join: one rank's error
-    would hang the job until their watchdog (torchtitan PR 1342). Without it, the error's exit
-    ends this rank at once, and torchrun stops the others."""
+    """Whether to destroy the process group: not after one rank's own error, as NCCL's destroy
+    waits for peers in a collective it never joins (torchtitan PR 1342); torchrun stops them."""
     return problem is None or isinstance(problem, Stopped) or world_size == 1
 
 
 def _end_process_group(problem):
-    if not dist.is_initialized() or not ends_together(problem, dist.get_world_size()):
-        return
     # FSDP's objects sit in reference cycles: collected before the group and gloo's threads end.
     gc.collect()
-    dist.destroy_process_group()
+    if dist.is_initialized() and ends_together(problem, dist.get_world_size()):
+        dist.destroy_process_group()
 
 
 def die_with_torchrun():
