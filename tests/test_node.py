@@ -2,11 +2,16 @@
 commands fit the node, NCCL's failures named for what they are. Each decision is a function called
 here; gloo runs show what gloo can; tests/test_gpu.py holds the NCCL runs for 2+ GPUs."""
 
+import argparse
+import json
+import math
+import re
 import socket
 
 import pytest
-from conftest import ROOT, Run, launcher_env, our_lines
+from conftest import ROOT, Run, launcher_env, mnist_args, our_lines, run_sh
 
+import train_pippy
 from plumbing import failures
 
 ALONE = """import os, time
@@ -57,3 +62,69 @@ def test_the_process_group_is_destroyed_only_where_the_ranks_end_together(
     problem, world_size, destroys
 ):
     assert failures.ends_together(problem, world_size) is destroys
+
+
+# ---- the default commands fit the node: train_pippy.py's pipeline degree ----
+def layout(world_size, schedule="1f1b", blocks=4, data_parallel=None):
+    args = argparse.Namespace(
+        batch_size=64,
+        microbatches=8,
+        schedule=schedule,
+        data_parallel=data_parallel,
+        stages_per_rank=None,
+        compile=False,
+    )
+    chosen = train_pippy.check_flags(args, world_size, blocks)
+    return world_size // args.data_parallel, args.data_parallel, chosen
+
+
+@pytest.mark.parametrize(
+    "world_size, schedule, blocks, pipeline_ranks",
+    [
+        (8, "1f1b", 4, 4),  # BabyCNN on 8 GPUs: 4 stages x 2 replicas (it failed: 8 stages)
+        (8, "1f1b", 6, 4),  # --model gpt: 6 blocks, and 4 divides 8
+        (6, "1f1b", 6, 6),
+        (8, "interleaved-1f1b", 4, 2),  # 2 stages a rank
+        (3, "interleaved-1f1b", 6, 3),
+        (3, "interleaved-1f1b", 4, 1),  # 3 ranks x 2 stages do not fit 4 blocks: 1 x 3 replicas
+        (2, "1f1b", 4, 2),  # as before: one pipeline
+        (1, "1f1b", 4, 1),
+    ],
+)
+def test_the_pipeline_degree_fits_the_models_blocks(world_size, schedule, blocks, pipeline_ranks):
+    pp, dp, chosen = layout(world_size, schedule, blocks)
+    assert (pp, dp) == (pipeline_ranks, world_size // pipeline_ranks)
+    assert bool(chosen) == (dp > 1), chosen  # the start line says a default that replicates
+
+
+def test_a_layout_that_does_not_fit_names_the_flag_that_does():
+    with pytest.raises(failures.UsageError) as error:
+        layout(8, data_parallel=1)
+    assert str(error.value) == (
+        "8 pipeline ranks x 1 stages per rank = 8 stages, but model.blocks has only 4 blocks: "
+        "give --data-parallel 2"
+    )
+
+
+@pytest.mark.slow  # 8 ranks on 2 cores: 45 s
+def test_run_pippy_sh_on_8_ranks_trains_4_stages_x_2_replicas(mnist_dir, tmp_path):
+    """`bash run_pippy.sh` as on an 8-GPU node (8 gloo ranks here): BabyCNN's 4 blocks give 4
+    pipeline ranks and 2 replicas, said on the start line; each rank runs one stage."""
+    run = run_sh(
+        "train_pippy.py",
+        8,
+        *mnist_args(mnist_dir),
+        "--max-steps",
+        "4",
+        "--log-every",
+        "2",
+        "--no-eval",
+        "--metrics",
+        tmp_path / "m.json",
+    ).wait(timeout=400)
+    assert run.returncode == 0, run.output[-3000:]
+    assert "4 stages: blocks [[0], [1], [2], [3]], 8 microbatches) x 2 replica(s) (" in run.output
+    losses = [float(x) for x in re.findall(r"loss \(last stage\) (\S+),", run.output)]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses), run.output
+    ranks = json.loads((tmp_path / "m.json").read_text())["ranks"]
+    assert sorted(r["stages"][0] for r in ranks) == [0, 0, 1, 1, 2, 2, 3, 3], ranks
