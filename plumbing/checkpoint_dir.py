@@ -32,6 +32,21 @@ def _local(state):  # its tensors; of a DTensor, this rank's part
     return [getattr(t, "_local_tensor", t) for t in tree_leaves(state) if torch.is_tensor(t)]
 
 
+def _fresh_state_dicts(model, optimizer):
+    """get_state_dict of a fresh optimizer, its states made: torch makes them (a step of lr 0)
+    only where no gradient is set, and gradients kept for CUDA graphs (train_ddp.py's --compile
+    --grad-accum) left none, and none loaded. They are set aside meanwhile."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        return get_state_dict(model, optimizer)
+    finally:
+        for p, grad in zip(params, grads):
+            p.grad = grad
+
+
 def _first_cause(error):  # DCP's failures: {rank: (exception, traceback)}
     return next(iter(getattr(error, "failures", {}).values()), [error])[0]
 
@@ -141,8 +156,15 @@ class Checkpoints:
             return {"step": 0, "epoch": 0, "samples_into_epoch": 0}
         path, info = found
         # Not before: get_state_dict steps a fresh optimizer.
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = _fresh_state_dicts(model, optimizer)
         optimizer_tensors = _renamed(optimizer_state["state"], self.aliases)
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        if not optimizer_tensors and any(name.startswith("optimizer.") for name in saved):
+            raise UsageError(
+                f"checkpoint {path} holds optimizer states, but this run's optimizer has none to "
+                "load them into (SGD without the checkpoint's --momentum?): resuming would start "
+                "them from zero; resume with the checkpoint's optimizer flags"
+            )
         tensors = {"model": model_state, "optimizer": optimizer_tensors}  # in place
         same_ranks = all(info["layout"].get(k) == self.layout[k] for k in ("world_size", "device"))
         if same_ranks:  # random states: each rank's own

@@ -281,3 +281,19 @@ def test_one_ranks_own_error_ends_an_nccl_job_within_seconds(tmp_path):
     assert run.returncode == 75 and run.seconds < 90, run.output
     assert our_lines(run.output)[-1].startswith("error: OSError: [Errno 5] Input/output error")
     assert "SIGABRT" not in run.output and "Traceback" not in run.output, run.output
+
+
+def test_a_compiled_accumulating_run_resumes_with_its_optimizer_states(mnist_dir, tmp_path):
+    """--compile --grad-accum 2 on one GPU: CUDA graphs, whose gradients are kept from the start.
+    DCP's get_state_dict then made no optimizer states to load into, and the resume started SGD's
+    momentum from zero without a word (issue 60). Resumed at step 12, it ends as the run never
+    stopped."""
+    common = [*mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "16", "--grad-accum", "2"]
+    common += ["--device", "cuda", "--compile", "--checkpoint-every", "12"]
+    whole = [*common, "--checkpoint-dir", tmp_path / "ck", "--save", tmp_path / "a.pt"]
+    succeeded(python("train_ddp.py", *whole, env=gpu_env()))
+    shutil.rmtree(tmp_path / "ck" / "step-24")  # as if the job had stopped after step 12
+    resumed = [*common, "--checkpoint-dir", tmp_path / "ck", "--save", tmp_path / "b.pt"]
+    assert "resumed from" in succeeded(python("train_ddp.py", *resumed, env=gpu_env())).output
+    a, b = load_weights(tmp_path / "a.pt"), load_weights(tmp_path / "b.pt")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-12

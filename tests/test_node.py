@@ -9,7 +9,17 @@ import re
 import socket
 
 import pytest
-from conftest import ROOT, Run, launcher_env, mnist_args, our_lines, run_sh
+from conftest import (
+    ROOT,
+    Run,
+    assert_one_line_error,
+    launcher_env,
+    mnist_args,
+    our_lines,
+    run_sh,
+    succeeded,
+    torchrun,
+)
 
 import train_pippy
 from plumbing import failures
@@ -128,3 +138,64 @@ def test_run_pippy_sh_on_8_ranks_trains_4_stages_x_2_replicas(mnist_dir, tmp_pat
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), run.output
     ranks = json.loads((tmp_path / "m.json").read_text())["ranks"]
     assert sorted(r["stages"][0] for r in ranks) == [0, 0, 1, 1, 2, 2, 3, 3], ranks
+
+
+# ---- the optimizer's states come back on every resume ----
+RESUME = """import sys, torch, torch.distributed as dist
+from plumbing import checkpoints, failures, training
+
+def main():
+    dist.init_process_group("gloo")
+    args = training.parser("resume").parse_args(["--checkpoint-dir", sys.argv[1], *sys.argv[3:]])
+    plan = training.Plan(args, 640, dist.get_world_size(), "synthetic")
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(8, 4), torch.randn(16, 8)
+    optimizer = training.make_optimizer(args, model.parameters())
+    checkpointer = checkpoints.Checkpointer(args, plan, torch.device("cpu"))
+    if sys.argv[2] == "train":  # 2 steps, the second saved
+        for step in (1, 2):
+            model(x * step).square().mean().backward()
+            training.set_lr(optimizer, plan.lr(step))
+            optimizer.step()
+        checkpointer.save(2, 0, 2, model, optimizer, [])
+        torch.save(optimizer.state_dict()["state"], f"{sys.argv[1]}/rank{dist.get_rank()}.pt")
+        return
+    if sys.argv[2] == "preset":  # as train_ddp.py's --compile --grad-accum 2 with CUDA graphs
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in model.parameters()]
+    checkpointer.resume(model, optimizer, print)
+    saved = torch.load(f"{sys.argv[1]}/rank{dist.get_rank()}.pt")
+    states = optimizer.state_dict()["state"]
+    same = [torch.equal(states[i][k], saved[i][k]) for i in saved for k in saved[i]]
+    kept = all(p.grad is g for p, g in zip(model.parameters(), grads))
+    print(f"rank {dist.get_rank()}: {sum(same)} of {len(same)} states loaded; grads kept: {kept}")
+
+failures.run(main)
+"""
+
+
+def test_a_resume_loads_the_optimizers_states_also_where_gradients_are_preset(tmp_path):
+    """--compile --grad-accum > 1 keeps gradients for CUDA graphs from the start. DCP's
+    get_state_dict then skipped making the fresh AdamW's states, so the resume loaded none and
+    said nothing (0 of 6 here). Now all 6 (exp_avg, exp_avg_sq, step of 2 tensors) come back on
+    both ranks, as without preset gradients, which are the same tensors after it. A resume that
+    would load none (SGD without the saved momentum) refuses in one line."""
+    (tmp_path / "resume.py").write_text(RESUME)
+    for name in ("adamw", "sgd"):
+        (tmp_path / name).mkdir()
+    runs = {
+        name: torchrun(tmp_path / "resume.py", 2, tmp_path / name, "train", "--optimizer", name)
+        for name in ("adamw", "sgd")
+    }
+    for run in runs.values():
+        succeeded(run)
+    flags = ("--optimizer", "sgd", "--momentum", "0")
+    command = ["bash", ROOT / "launch.sh", tmp_path / "resume.py", tmp_path / "sgd", "none"]
+    refused = Run([*command, *flags], env=launcher_env(NPROC_PER_NODE=2))
+    resumes = [torchrun(tmp_path / "resume.py", 2, tmp_path / "adamw", m) for m in ("preset", "")]
+    for run in resumes:
+        for rank in (0, 1):
+            line = f"rank {rank}: 6 of 6 states loaded; grads kept: True"
+            assert line in succeeded(run).output, run.output
+    assert_one_line_error(refused.wait(), "holds optimizer states, but this run's optimizer has")
