@@ -21,6 +21,8 @@
 #                 checkpoint
 # OMP_NUM_THREADS CPU threads per process (default: this machine's cores / NPROC_PER_NODE, at
 #                 least 1)
+# FLIGHT_RECORDER_DIR where NCCL's flight recorder dumps go when a collective times out (default
+#                 ./flight_recorder; said on the torchrun line on a GPU node)
 # A bad value stops the launch at once with one `error:` line and exit code 2; so does
 # NPROC_PER_NODE past what this node's memory holds (850 MB each); more than its cores is a
 # one-line warning.
@@ -122,12 +124,25 @@ if (( NPROC_PER_NODE > cores )); then
         "each waits for the others (use at most $cores for speed)" >&2
 fi
 
-# NCCL: a collective stuck on a dead or hung peer becomes an error (and a flight-recorder dump of
-# the last collectives on each rank) instead of a silent hang; torchrun then restarts or ends the
-# job.
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+# NCCL: a collective stuck on a dead or hung peer ends the process after the process group's
+# timeout (the watchdog, mode 3: torch's default, and torchtitan's; mode 1 aborted before the dump
+# was written, pytorch issue 121055), first writing each rank's flight recorder (its last
+# collectives) to FLIGHT_RECORDER_DIR/rank_<RANK> (default: ./flight_recorder, where the job
+# started: not a node's own /tmp); torchrun then restarts or ends the job, and launch_torchrun.py
+# says which collective timed out.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
 export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+dumps=${FLIGHT_RECORDER_DIR:-flight_recorder}
+[[ $dumps = /* ]] || dumps="$PWD/$dumps"  # the workers' own path, wherever they start
+# the files' prefix, under its older name too (older releases read that one)
+export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$dumps/rank_}
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=$TORCH_FR_DUMP_TEMP_FILE
+dumps=""  # said on the torchrun line where NCCL runs (a GPU here), and made there
+if compgen -G "/dev/nvidia[0-9]*" > /dev/null; then
+    dumps=$(dirname "$TORCH_FR_DUMP_TEMP_FILE")
+    mkdir -p "$dumps" || true
+fi
 
 # torchrun would set 1 thread per process with a warning; use the cores this node really has
 # instead.
@@ -165,7 +180,7 @@ torchrun() {
         line+=" RDZV_ID, or raise JOIN_TIMEOUT"
     fi
     # At once: torch takes seconds to import before anything else is said.
-    echo "launch.sh: torchrun $*" >&2
+    echo "launch.sh: torchrun $*${dumps:+ (flight recorder dumps on an NCCL timeout: $dumps)}" >&2
     # The line for a rendezvous that times out, in the environment: argv is torchrun's own.
     export LAUNCH_SH_NO_RENDEZVOUS=$line
     exec python3 "$here/launch_torchrun.py" "$@"

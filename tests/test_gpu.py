@@ -297,3 +297,34 @@ def test_a_compiled_accumulating_run_resumes_with_its_optimizer_states(mnist_dir
     assert "resumed from" in succeeded(python("train_ddp.py", *resumed, env=gpu_env())).output
     a, b = load_weights(tmp_path / "a.pt"), load_weights(tmp_path / "b.pt")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-12
+
+
+NCCL_TIMEOUT = """import datetime, os, time
+import torch, torch.distributed as dist
+
+device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+torch.cuda.set_device(device)
+dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(seconds=10))
+tensor = torch.ones(1000, device=device)
+dist.all_reduce(tensor)  # number 1: both ranks
+torch.cuda.synchronize()
+if dist.get_rank() == 1:
+    time.sleep(300)  # hung: it never calls number 2
+dist.all_reduce(tensor)
+torch.cuda.synchronize()
+"""
+
+
+@two_gpus
+def test_an_nccl_timeout_is_said_as_one_and_retried_with_its_flight_recorder(tmp_path):
+    """launch.sh's TORCH_NCCL_ASYNC_ERROR_HANDLING=3: rank 0's watchdog writes its flight recorder
+    to FLIGHT_RECORDER_DIR, then ends the process; the launch names the collective that timed out,
+    exit code 75 (it said "rank 0 was killed by SIGABRT", 134, with mode 1 and no dump)."""
+    (tmp_path / "worker.py").write_text(NCCL_TIMEOUT)
+    env = with_this_pythons_torchrun(gpu_env(NPROC_PER_NODE=2, FLIGHT_RECORDER_DIR=tmp_path / "fr"))
+    run = Run(["bash", ROOT / "launch.sh", tmp_path / "worker.py"], env=env).wait(timeout=300)
+    assert f"(flight recorder dumps on an NCCL timeout: {tmp_path / 'fr'})" in run.output
+    assert run.returncode == 75 and (tmp_path / "fr" / "rank_0").exists(), run.output
+    last = our_lines(run.output)[-1]
+    assert last.startswith("error: a collective timed out on rank 0 (pid "), run.output
+    assert "(nccl:all_reduce number " in last, last  # the one the dump shows waiting

@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import re
+import signal
 import socket
 
 import pytest
@@ -72,6 +73,54 @@ def test_the_process_group_is_destroyed_only_where_the_ranks_end_together(
     problem, world_size, destroys
 ):
     assert failures.ends_together(problem, world_size) is destroys
+
+
+# ---- NCCL's failures named for what they are ----
+WATCHDOG = """import datetime, os, time
+import torch, torch.distributed as dist
+from torch._C._distributed_c10d import _dump_fr_trace
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))
+tensor = torch.ones(1000)
+dist.all_reduce(tensor)  # number 1: both ranks
+if dist.get_rank() == 1:
+    time.sleep(60)  # hung: it never calls number 2
+try:
+    dist.all_reduce(tensor)
+except RuntimeError:  # as NCCL's watchdog at the timeout: the dump (WRITE_DUMP), then SIGABRT
+    if WRITE_DUMP:
+        with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + "0", "wb") as file:
+            file.write(_dump_fr_trace())
+    os.abort()
+"""
+
+
+@pytest.mark.parametrize("dump", [True, False])
+def test_a_watchdog_timeout_is_a_collectives_timeout_retried_not_a_kill(dump, tmp_path):
+    """NCCL's watchdog ends a rank whose collective timed out with SIGABRT, after writing its flight
+    recorder (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, launch.sh's). Played here on gloo, with torch's own
+    dump: the launch said "rank 0 was killed by SIGABRT", exit code 134; now the collective timed
+    out, which one and where the dumps are, exit code 75 (retried). Without a dump, a SIGABRT is
+    still a kill."""
+    (tmp_path / "worker.py").write_text(WATCHDOG.replace("WRITE_DUMP", str(dump)))
+    env = launcher_env(NPROC_PER_NODE=2, FLIGHT_RECORDER_DIR=tmp_path / "fr")
+    (tmp_path / "fr").mkdir()  # launch.sh makes it on a GPU node
+    run = Run(["bash", ROOT / "launch.sh", tmp_path / "worker.py"], env=env).wait(timeout=120)
+    last = our_lines(run.output)[-1]
+    if dump:
+        assert run.returncode == failures.RETRY_EXIT, run.output
+        fr = tmp_path / "fr"
+        assert re.fullmatch(
+            r"error: a collective timed out on rank 0 \(pid \d+\) on \S+ \(gloo:all_reduce number "
+            r"2\): a rank stopped calling collectives or hung; each rank's flight recorder is in "
+            + re.escape(f"{fr} (python -m torch.distributed.flight_recorder.fr_trace {fr}); ")
+            + r"it may pass on a retry \(exit code 75: torchrun restarts it while MAX_RESTARTS "
+            r"allows\)",
+            last,
+        ), run.output
+    else:
+        assert run.returncode == 128 + signal.SIGABRT, run.output
+        assert last.endswith("was killed by SIGABRT"), run.output
 
 
 # ---- the default commands fit the node: train_pippy.py's pipeline degree ----
