@@ -10,7 +10,8 @@
 # NPROC_PER_NODE  processes on this node (default: the GPUs torch sees, which honours
 #                 CUDA_VISIBLE_DEVICES; 2 without GPUs)
 # NNODES          number of nodes (default 1: torchrun --standalone)
-# NODE_RANK       this node's index, 0..NNODES-1; node 0 hosts the rendezvous (default 0)
+# NODE_RANK       this node's index, 0..NNODES-1; node 0 hosts the rendezvous (default 0), whose
+#                 ranks torchrun deals to the nodes in an order of its own (rank 0 on any node)
 # MASTER_ADDR     node 0's address (required with NNODES > 1); MASTER_PORT its port (default 29500)
 # RDZV_ID         the job's name in the rendezvous, the same on every node (default babycnn)
 # JOIN_TIMEOUT    seconds a node waits for the others before it gives up (default 600, torchrun's
@@ -222,7 +223,7 @@ else
     # lines.
     echo "node $NODE_RANK of $NNODES: waiting up to JOIN_TIMEOUT=$JOIN_TIMEOUT s" \
         "for node 0 at $endpoint" >&2
-    python3 - "$MASTER_ADDR" "$MASTER_PORT" "$JOIN_TIMEOUT" <<'PYTHON' || exit 2
+    local_addr=$(python3 - "$MASTER_ADDR" "$MASTER_PORT" "$JOIN_TIMEOUT" <<'PYTHON'
 import socket, sys, time
 host, port, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 try:
@@ -233,7 +234,8 @@ except socket.gaierror as e:
 deadline = time.monotonic() + timeout
 while True:
     try:
-        socket.create_connection((host, port), timeout=1).close()
+        with socket.create_connection((host, port), timeout=1) as node_0:
+            print(node_0.getsockname()[0])  # this node's address that reached node 0
         break
     except OSError:
         if time.monotonic() > deadline:
@@ -242,11 +244,16 @@ while True:
                      " MASTER_PORT, or raise JOIN_TIMEOUT")
         time.sleep(1)
 PYTHON
+) || exit 2
 fi
 
-# c10d rendezvous: every node meets at MASTER_ADDR:MASTER_PORT; node 0 hosts its store.
+# c10d rendezvous: every node meets at MASTER_ADDR:MASTER_PORT; node 0 hosts its store. It numbers
+# the nodes itself (by address: rank 0 may be on any node; --node-rank is for the static
+# rendezvous, and torch 2.14 warns that it ignores it), and the workers dial rank 0's node at its
+# --local-addr: node 0's is MASTER_ADDR, the others' the address that reached node 0 above (not
+# each node's own hostname, which may not resolve or may name another network).
 is_host=$([ "$NODE_RANK" -eq 0 ] && echo 1 || echo 0)
-torchrun --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \
-    --max-restarts="$MAX_RESTARTS" \
+torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" \
     --rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="${RDZV_ID:-babycnn}" \
-    --rdzv-conf="is_host=$is_host,join_timeout=$JOIN_TIMEOUT" "$script" "$@"
+    --rdzv-conf="is_host=$is_host,join_timeout=$JOIN_TIMEOUT" \
+    --local-addr="${local_addr:-$MASTER_ADDR}" "$script" "$@"

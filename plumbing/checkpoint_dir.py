@@ -6,6 +6,9 @@ import hashlib
 import json
 import os
 import shutil
+import socket
+import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -123,6 +126,30 @@ class Checkpoints:
             )
         return Retryable(f"{line}; the ones saved before it are intact")
 
+    def _check_shared(self, wait=60):
+        """Collective: every rank sees a file rank 0 writes in the folder (within ``wait`` s: NFS
+        may cache a folder's listing), or all raise one line naming those that do not: in a
+        folder of each node's own, each saves its ranks' parts alone, and a resume fails."""
+        if not self.directory or dist.get_world_size() == 1:
+            return
+        make = lambda: tempfile.mkstemp(prefix=".shared-", dir=self.directory)[1]  # noqa: E731
+        name = os.path.basename(on_rank_0(make, "writing into --checkpoint-dir"))
+        probe = os.path.join(self.directory, name)  # in this rank's own --checkpoint-dir
+        deadline = time.monotonic() + wait
+        while not os.path.exists(probe) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        here = None if os.path.exists(probe) else f"{dist.get_rank()} ({socket.gethostname()})"
+        blind = [None] * dist.get_world_size()
+        dist.all_gather_object(blind, here)  # collective: all have looked
+        if dist.get_rank() == 0:
+            os.remove(probe)
+        if blind := [rank for rank in blind if rank]:
+            raise UsageError(
+                f"--checkpoint-dir {self.directory} is not shared: rank(s) {', '.join(blind)} "
+                "do not see rank 0's files there, yet every rank writes its part of each "
+                "checkpoint there and reads them all to resume; give a folder every node mounts"
+            )
+
     def what_is_saved(self):
         """For a diverged run's line: the newest checkpoint, which the same command resumes."""
         if not (saved := self.complete()):
@@ -151,6 +178,7 @@ class Checkpoints:
         states; where to go on. ``aliases`` ({name: name in the whole model}) name optimizer
         states here and in every save (_renamed)."""
         self.aliases = aliases or {}
+        self._check_shared()  # collective
         found = on_rank_0(lambda: self._newest_intact(log), "finding a checkpoint")
         if found is None:
             return {"step": 0, "epoch": 0, "samples_into_epoch": 0}

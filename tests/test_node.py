@@ -14,6 +14,7 @@ from conftest import (
     ROOT,
     Run,
     assert_one_line_error,
+    free_port,
     launcher_env,
     mnist_args,
     our_lines,
@@ -248,3 +249,27 @@ def test_a_resume_loads_the_optimizers_states_also_where_gradients_are_preset(tm
             line = f"rank {rank}: 6 of 6 states loaded; grads kept: True"
             assert line in succeeded(run).output, run.output
     assert_one_line_error(refused.wait(), "holds optimizer states, but this run's optimizer has")
+
+
+# ---- several nodes by the book ----
+@pytest.mark.slow  # two nodes, and a minute's wait for a listing NFS may cache
+def test_a_checkpoint_dir_the_nodes_do_not_share_is_refused_before_training(tmp_path):
+    """Two "nodes" on this machine, each in a folder of its own, given `--checkpoint-dir ck`: two
+    folders, as a node's local disk is. Each node saved its own ranks' parts and the resume failed;
+    now the first collective of the resume finds it, before the first step, in one line."""
+    port, runs = free_port(), []
+    for node_rank in (0, 1):
+        (tmp_path / f"node{node_rank}").mkdir()
+        env = launcher_env(NNODES=2, NODE_RANK=node_rank, NPROC_PER_NODE=1, MAX_RESTARTS=0)
+        env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RDZV_ID": f"t-{port}"}
+        command = ["bash", ROOT / "run_ddp.sh", "--dataset", "synthetic", "--checkpoint-dir", "ck"]
+        runs.append(Run(command, env=env, cwd=tmp_path / f"node{node_rank}"))
+    output = "".join(run.wait(timeout=300).output for run in runs)
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and all(run.returncode == 2 for run in runs), output
+    assert re.fullmatch(
+        r"error: --checkpoint-dir ck is not shared: rank\(s\) 1 \(\S+\) do not see rank 0's files "
+        r"there, yet every rank writes .* give a folder every node mounts",
+        errors[0],
+    ), output
+    assert "step 1" not in output and not list(tmp_path.glob("node*/ck/step-*")), output
