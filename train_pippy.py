@@ -137,7 +137,7 @@ def main():
             grads = [p.grad for p in model.parameters() if p.grad is not None]  # its stages'
             average_over_replicas(grads, mesh.get_group("dp"))  # collective
             if args.max_grad_norm:  # collective: the whole model's norm
-                norm = clip_grad_norm(model, tied, args.max_grad_norm, mesh.get_group("pp"))
+                norm = clip_grad_norm(model, tied, args.max_grad_norm, mesh.get_group("pp"), device)
             lr = plan.lr(progress.step)
             training.set_lr(optimizer, lr)
             optimizer.step()
@@ -266,12 +266,12 @@ def forward_backward(schedule, stages, images, labels, grad_accum):
     return torch.stack(losses).detach().sum().float() * grad_accum  # loss_fn divided it
 
 
-def clip_grad_norm(model, tied, max_norm, pp_group):
+def clip_grad_norm(model, tied, max_norm, pp_group, device):
     """Collective: clip to the norm of all stages' gradients (a tied weight's once); returns
     it, before clipping."""
     repeated = {weight.copy for weight in tied if not weight.counted}
     grads = [p.grad for p in model.parameters() if p.grad is not None and p not in repeated]
-    squares = torch.nn.utils.get_total_norm(grads) ** 2  # this rank's stages
+    squares = torch.nn.utils.get_total_norm(grads).to(device) ** 2  # this rank's (none: a CPU 0)
     dist.all_reduce(squares, group=pp_group)
     norm = squares.sqrt()
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
