@@ -133,8 +133,9 @@ def test_a_gpu_run_does_the_same_math_as_the_cpu_reference(reference, control, m
 
 
 # train_ddp.py --compile on one GPU: CUDA graphs (mode="reduce-overhead"), and with --grad-accum 2
-# the gradient buffers the graphs cannot reuse; on RANKS GPUs, inside DDP. train_fsdp.py compiles
-# each block, without CUDA graphs.
+# the gradient buffers the graphs cannot reuse; on RANKS GPUs, inside DDP, torch's default mode
+# (CUDA graphs only on one GPU until measured on more). train_fsdp.py compiles each block, without
+# CUDA graphs.
 @pytest.mark.parametrize(
     "script, processes, accumulate",
     [
