@@ -329,3 +329,13 @@ def test_an_nccl_timeout_is_said_as_one_and_retried_with_its_flight_recorder(tmp
     last = our_lines(run.output)[-1]
     assert last.startswith("error: a collective timed out on rank 0 (pid "), run.output
     assert "(nccl:all_reduce number " in last, last  # the one the dump shows waiting
+
+
+@two_gpus
+def test_tp_keeps_each_ranks_dropout_seed(tmp_path):
+    """--model gpt-gpu (dropout 0.2) under TP on 2 GPUs: DTensor's random-number tracker, made on
+    its first random op, replaced every rank's CUDA seed with rank 0's and warned on each rank;
+    train_tp.py makes it first, without that sync (as torchtitan's set_determinism)."""
+    flags = ["--model", "gpt-gpu", "--tp", "2", "--device", "cuda", "--max-steps", "5"]
+    run = succeeded(torchrun("train_tp.py", 2, *flags, "--no-eval", env=gpu_env()))
+    assert "synchronizing RNG states" not in run.output, run.output

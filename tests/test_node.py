@@ -24,6 +24,7 @@ from conftest import (
 )
 
 import train_pippy
+import train_tp
 from plumbing import failures
 
 ALONE = """import os, time
@@ -273,3 +274,14 @@ def test_a_checkpoint_dir_the_nodes_do_not_share_is_refused_before_training(tmp_
         errors[0],
     ), output
     assert "step 1" not in output and not list(tmp_path.glob("node*/ck/step-*")), output
+
+
+@pytest.mark.parametrize("tp, warned", [(16, True), (3, True), (8, False), (4, False)])
+def test_a_tp_group_across_nodes_is_a_warning(tp, warned, monkeypatch, capsys):
+    """train_tp.py on nodes of 8 ranks (torchrun's LOCAL_WORLD_SIZE): a --tp that does not divide
+    8 puts a tp group on two nodes, whose collectives (several a layer) cross the network."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    args = argparse.Namespace(model="gpt", tp=tp, width=1, compile=False)
+    train_tp.check_flags(args, world_size=48)
+    line = f"warning: --tp {tp} spans nodes of 8 ranks: give one that divides 8\n"
+    assert capsys.readouterr().out == (line if warned else "")
