@@ -97,32 +97,32 @@ except RuntimeError:  # as NCCL's watchdog at the timeout: the dump (WRITE_DUMP)
 """
 
 
-@pytest.mark.parametrize("dump", [True, False])
-def test_a_watchdog_timeout_is_a_collectives_timeout_retried_not_a_kill(dump, tmp_path):
+def test_a_watchdog_timeout_is_a_collectives_timeout_retried_not_a_kill(tmp_path):
     """NCCL's watchdog ends a rank whose collective timed out with SIGABRT, after writing its flight
     recorder (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, launch.sh's). Played here on gloo, with torch's own
     dump: the launch said "rank 0 was killed by SIGABRT", exit code 134; now the collective timed
-    out, which one and where the dumps are, exit code 75 (retried). Without a dump, a SIGABRT is
-    still a kill."""
-    (tmp_path / "worker.py").write_text(WATCHDOG.replace("WRITE_DUMP", str(dump)))
-    env = launcher_env(NPROC_PER_NODE=2, FLIGHT_RECORDER_DIR=tmp_path / "fr")
-    (tmp_path / "fr").mkdir()  # launch.sh makes it on a GPU node
-    run = Run(["bash", ROOT / "launch.sh", tmp_path / "worker.py"], env=env).wait(timeout=120)
-    last = our_lines(run.output)[-1]
-    if dump:
-        assert run.returncode == failures.RETRY_EXIT, run.output
-        fr = tmp_path / "fr"
-        assert re.fullmatch(
-            r"error: a collective timed out on rank 0 \(pid \d+\) on \S+ \(gloo:all_reduce number "
-            r"2\): a rank stopped calling collectives or hung; each rank's flight recorder is in "
-            + re.escape(f"{fr} (python -m torch.distributed.flight_recorder.fr_trace {fr}); ")
-            + r"it may pass on a retry \(exit code 75: torchrun restarts it while MAX_RESTARTS "
-            r"allows\)",
-            last,
-        ), run.output
-    else:
-        assert run.returncode == 128 + signal.SIGABRT, run.output
-        assert last.endswith("was killed by SIGABRT"), run.output
+    out, which one and where the dumps are, exit code 75 (retried). Without a dump (the control,
+    launched at the same time), a SIGABRT is still a kill."""
+    runs = {}
+    for dump in (True, False):
+        (tmp_path / f"{dump}").mkdir()  # launch.sh makes FLIGHT_RECORDER_DIR on a GPU node
+        (tmp_path / f"{dump}" / "worker.py").write_text(WATCHDOG.replace("WRITE_DUMP", str(dump)))
+        env = launcher_env(NPROC_PER_NODE=2, FLIGHT_RECORDER_DIR=tmp_path / f"{dump}")
+        command = ["bash", ROOT / "launch.sh", tmp_path / f"{dump}" / "worker.py"]
+        runs[dump] = Run(command, env=env)
+    run, fr = runs[True].wait(timeout=120), tmp_path / "True"
+    assert run.returncode == failures.RETRY_EXIT, run.output
+    assert re.fullmatch(
+        r"error: a collective timed out on rank 0 \(pid \d+\) on \S+ \(gloo:all_reduce number "
+        r"2\): a rank stopped calling collectives or hung; each rank's flight recorder is in "
+        + re.escape(f"{fr} (python -m torch.distributed.flight_recorder.fr_trace {fr}); ")
+        + r"it may pass on a retry \(exit code 75: torchrun restarts it while MAX_RESTARTS "
+        r"allows\)",
+        our_lines(run.output)[-1],
+    ), run.output
+    control = runs[False].wait(timeout=120)
+    assert control.returncode == 128 + signal.SIGABRT, control.output
+    assert our_lines(control.output)[-1].endswith("was killed by SIGABRT"), control.output
 
 
 # ---- the default commands fit the node: train_pippy.py's pipeline degree ----
@@ -229,8 +229,8 @@ failures.run(main)
 def test_a_resume_loads_the_optimizers_states_also_where_gradients_are_preset(tmp_path):
     """--compile --grad-accum > 1 keeps gradients for CUDA graphs from the start. DCP's
     get_state_dict then skipped making the fresh AdamW's states, so the resume loaded none and
-    said nothing (0 of 6 here). Now all 6 (exp_avg, exp_avg_sq, step of 2 tensors) come back on
-    both ranks, as without preset gradients, which are the same tensors after it. A resume that
+    said nothing (a KeyError here). Now all 6 (exp_avg, exp_avg_sq, step of 2 tensors) come back
+    on both ranks, and the preset gradients are the same tensors after it. A resume that
     would load none (SGD without the saved momentum) refuses in one line."""
     (tmp_path / "resume.py").write_text(RESUME)
     for name in ("adamw", "sgd"):
@@ -244,11 +244,9 @@ def test_a_resume_loads_the_optimizers_states_also_where_gradients_are_preset(tm
     flags = ("--optimizer", "sgd", "--momentum", "0")
     command = ["bash", ROOT / "launch.sh", tmp_path / "resume.py", tmp_path / "sgd", "none"]
     refused = Run([*command, *flags], env=launcher_env(NPROC_PER_NODE=2))
-    resumes = [torchrun(tmp_path / "resume.py", 2, tmp_path / "adamw", m) for m in ("preset", "")]
-    for run in resumes:
-        for rank in (0, 1):
-            line = f"rank {rank}: 6 of 6 states loaded; grads kept: True"
-            assert line in succeeded(run).output, run.output
+    run = succeeded(torchrun(tmp_path / "resume.py", 2, tmp_path / "adamw", "preset"))
+    for rank in (0, 1):
+        assert f"rank {rank}: 6 of 6 states loaded; grads kept: True" in run.output, run.output
     assert_one_line_error(refused.wait(), "holds optimizer states, but this run's optimizer has")
 
 
