@@ -10,7 +10,8 @@
 # NPROC_PER_NODE  processes on this node (default: the GPUs torch sees, which honours
 #                 CUDA_VISIBLE_DEVICES; 2 without GPUs)
 # NNODES          number of nodes (default 1: torchrun --standalone)
-# NODE_RANK       this node's index, 0..NNODES-1; node 0 hosts the rendezvous (default 0)
+# NODE_RANK       this node's index, 0..NNODES-1; node 0 hosts the rendezvous (default 0), whose
+#                 ranks torchrun deals to the nodes in an order of its own (rank 0 on any node)
 # MASTER_ADDR     node 0's address (required with NNODES > 1); MASTER_PORT its port (default 29500)
 # RDZV_ID         the job's name in the rendezvous, the same on every node (default babycnn)
 # JOIN_TIMEOUT    seconds a node waits for the others before it gives up (default 600, torchrun's
@@ -21,6 +22,8 @@
 #                 checkpoint
 # OMP_NUM_THREADS CPU threads per process (default: this machine's cores / NPROC_PER_NODE, at
 #                 least 1)
+# FLIGHT_RECORDER_DIR where NCCL's flight recorder dumps go when a collective times out (default
+#                 ./flight_recorder; said on the torchrun line on a GPU node)
 # A bad value stops the launch at once with one `error:` line and exit code 2; so does
 # NPROC_PER_NODE past what this node's memory holds (850 MB each); more than its cores is a
 # one-line warning.
@@ -123,12 +126,25 @@ if (( NPROC_PER_NODE > cores )); then
         "each waits for the others (use at most $cores for speed)" >&2
 fi
 
-# NCCL: a collective stuck on a dead or hung peer becomes an error (and a flight-recorder dump of
-# the last collectives on each rank) instead of a silent hang; torchrun then restarts or ends the
-# job.
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+# NCCL: a collective stuck on a dead or hung peer ends the process after the process group's
+# timeout (the watchdog, mode 3: torch's default, and torchtitan's; mode 1 aborted before the dump
+# was written, pytorch issue 121055), first writing each rank's flight recorder (its last
+# collectives) to FLIGHT_RECORDER_DIR/rank_<RANK> (default: ./flight_recorder, where the job
+# started: not a node's own /tmp); torchrun then restarts or ends the job, and launch_torchrun.py
+# says which collective timed out.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
 export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+dumps=${FLIGHT_RECORDER_DIR:-flight_recorder}
+[[ $dumps = /* ]] || dumps="$PWD/$dumps"  # the workers' own path, wherever they start
+# the files' prefix, under its older name too (older releases read that one)
+export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$dumps/rank_}
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=$TORCH_FR_DUMP_TEMP_FILE
+dumps=""  # said on the torchrun line where NCCL runs (a GPU here), and made there
+if compgen -G "/dev/nvidia[0-9]*" > /dev/null; then
+    dumps=$(dirname "$TORCH_FR_DUMP_TEMP_FILE")
+    mkdir -p "$dumps" || true
+fi
 
 # torchrun would set 1 thread per process with a warning; use the cores this node really has
 # instead.
@@ -166,7 +182,7 @@ torchrun() {
         line+=" RDZV_ID, or raise JOIN_TIMEOUT"
     fi
     # At once: torch takes seconds to import before anything else is said.
-    echo "launch.sh: torchrun $*" >&2
+    echo "launch.sh: torchrun $*${dumps:+ (flight recorder dumps on an NCCL timeout: $dumps)}" >&2
     # The line for a rendezvous that times out, in the environment: argv is torchrun's own.
     export LAUNCH_SH_NO_RENDEZVOUS=$line
     exec python3 "$here/launch_torchrun.py" "$@"
@@ -208,7 +224,7 @@ else
     # lines.
     echo "node $NODE_RANK of $NNODES: waiting up to JOIN_TIMEOUT=$JOIN_TIMEOUT s" \
         "for node 0 at $endpoint" >&2
-    python3 - "$MASTER_ADDR" "$MASTER_PORT" "$JOIN_TIMEOUT" <<'PYTHON' || exit 2
+    local_addr=$(python3 - "$MASTER_ADDR" "$MASTER_PORT" "$JOIN_TIMEOUT" <<'PYTHON'
 import socket, sys, time
 host, port, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 try:
@@ -219,7 +235,8 @@ except socket.gaierror as e:
 deadline = time.monotonic() + timeout
 while True:
     try:
-        socket.create_connection((host, port), timeout=1).close()
+        with socket.create_connection((host, port), timeout=1) as node_0:
+            print(node_0.getsockname()[0])  # this node's address that reached node 0
         break
     except OSError:
         if time.monotonic() > deadline:
@@ -228,11 +245,16 @@ while True:
                      " MASTER_PORT, or raise JOIN_TIMEOUT")
         time.sleep(1)
 PYTHON
+) || exit 2
 fi
 
-# c10d rendezvous: every node meets at MASTER_ADDR:MASTER_PORT; node 0 hosts its store.
+# c10d rendezvous: every node meets at MASTER_ADDR:MASTER_PORT; node 0 hosts its store. It numbers
+# the nodes itself (by address: rank 0 may be on any node; --node-rank is for the static
+# rendezvous, and torch 2.14 warns that it ignores it), and the workers dial rank 0's node at its
+# --local-addr: node 0's is MASTER_ADDR, the others' the address that reached node 0 above (not
+# each node's own hostname, which may not resolve or may name another network).
 is_host=$([ "$NODE_RANK" -eq 0 ] && echo 1 || echo 0)
-torchrun --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \
-    --max-restarts="$MAX_RESTARTS" \
+torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" \
     --rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="${RDZV_ID:-babycnn}" \
-    --rdzv-conf="is_host=$is_host,join_timeout=$JOIN_TIMEOUT" "$script" "$@"
+    --rdzv-conf="is_host=$is_host,join_timeout=$JOIN_TIMEOUT" \
+    --local-addr="${local_addr:-$MASTER_ADDR}" "$script" "$@"

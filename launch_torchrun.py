@@ -19,6 +19,10 @@ torchrun's 40- to 80-line ChildFailedError traceback.
                   rank. Its exit code, 1.
   a killed rank   one line: which rank, which signal (SIGKILL: often the kernel's out-of-memory
                   killer). Exit code 128 + the signal's number (137 for SIGKILL).
+  a timeout       NCCL's watchdog ends a rank whose collective timed out (SIGABRT), once it has
+                  written its flight recorder (launch.sh's TORCH_FR_DUMP_TEMP_FILE): one line
+                  naming the collective the dump shows waiting, and where the dumps are. Exit code
+                  75, retried as a collective's error is.
   a worker's stop a stop signal sent to one worker alone: the ranks stop together, as below, and
                   rank 0 says where; exit code 128 + the signal's number, as the worker's.
   a stop signal   one of failures.STOP_SIGNALS: SIGTERM, SIGINT, SIGUSR1 (SLURM's warning; torch
@@ -70,6 +74,7 @@ import glob
 import json
 import logging
 import math
+import pickle
 import socket
 import threading
 import time
@@ -92,6 +97,7 @@ from plumbing.failures import RETRY_EXIT, STOP_GRACE, STOP_SIGNALS
 stopping = {}
 received = []  # (signal, time) of the stop signals this launch received
 workers = {}  # pid: Popen of each worker of the latest start
+started = [0.0]  # time.time() of the latest start: a dump written since is this attempt's
 
 
 def rank_of(pid):
@@ -174,9 +180,51 @@ def first(failures):  # (rank, failure) of the first to fail: the earliest note,
     return min(failures.items(), key=lambda item: (note(item[1]).get("time", math.inf), item[0]))
 
 
+def timed_out(failures, since=None):
+    """(rank, failure, what) of the first rank NCCL's watchdog ended (SIGABRT) with its flight
+    recorder's dump written in this attempt: a collective's timeout, not a kill; what: the
+    collective the dump shows waiting, if it tells. None if no rank was."""
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+    for rank, failure in sorted(failures.items()):
+        try:
+            fresh = os.path.getmtime(f"{prefix}{rank}") >= (started[0] if since is None else since)
+        except (OSError, TypeError):  # no dump, or no prefix
+            continue
+        if fresh and failure.exitcode == -signal.SIGABRT:
+            return rank, failure, waiting(f"{prefix}{rank}")
+    return None
+
+
+def waiting(path):
+    """ " (nccl:all_reduce number 7)": the first collective a dump (torch's pickle) shows neither
+    completed nor retired (gloo's all read "scheduled"), else its last; "" if it cannot tell."""
+    try:
+        with open(path, "rb") as file:
+            entries = pickle.load(file)["entries"]  # written by this job's own workers
+        pending = (e for e in entries if e.get("state") != "completed" and not e.get("retired"))
+        entry = next(pending, entries[-1])
+        return f" ({entry['profiling_name']} number {entry['collective_seq_id']})"
+    except Exception:  # any other content: the line goes on without it
+        return ""
+
+
+def timeout_line(rank, failure, what):
+    dumps = os.path.dirname(os.environ["TORCH_FR_DUMP_TEMP_FILE"])
+    return (
+        f"error: a collective timed out on rank {rank} (pid {failure.pid}) on "
+        f"{socket.gethostname()}{what}: a rank stopped calling collectives or hung; each rank's "
+        f"flight recorder is in {dumps} (python -m torch.distributed.flight_recorder.fr_trace "
+        f"{dumps}); it may pass on a retry (exit code 75: torchrun restarts it while MAX_RESTARTS "
+        "allows)"
+    )
+
+
 def cause(failures):
     """The failure in a few words, for the line of a restart: which rank, what ended it."""
     where = f" on {socket.gethostname()}"
+    if found := timed_out(failures):
+        rank, failure, what = found
+        return f"rank {rank} (pid {failure.pid}){where}: a collective timed out{what}"
     if ranks := killed(failures):
         rank, failure = min(ranks.items())
         return f"rank {rank} (pid {failure.pid}){where} was killed by {failure.signal_name()}"
@@ -197,6 +245,9 @@ def ending(failures):
             print(next(n["message"] for n in notes if n.get("here")), file=sys.stderr)
         return 2
     where = f" on {socket.gethostname()}"
+    if found := timed_out(failures):  # NCCL's watchdog, not a kill
+        print(timeout_line(*found), file=sys.stderr)
+        return RETRY_EXIT
     # A rank killed: the others failed because it had gone, and their errors say only that.
     if ranks := killed(failures):
         rank, failure = min(ranks.items())
@@ -265,6 +316,7 @@ def take_the_signals():
 def start(context, start=PContext.start):
     """torchrun's start of the workers, which first sets its own handler for four of the stop
     signals (not SIGUSR1 on torch 2.9): ours replace it."""
+    started[0] = time.time()
     start(context)
     take_the_signals()
     handlers = getattr(context, "subprocess_handlers", None) or {}

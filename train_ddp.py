@@ -146,7 +146,7 @@ def main():
 
 
 def compile_model(model, args, device):
-    """--compile: the whole model in place (names stay); BabyCNN with CUDA graphs on a GPU.
+    """--compile: the whole model in place (names stay); BabyCNN with CUDA graphs on one GPU.
 
     CUDA graphs measured 1.9 x eager for BabyCNN's many small kernels, but the GPT ran at
     0.45 x: other models take torch's default mode, as nanoGPT's. A graph's replay reuses
@@ -156,6 +156,7 @@ def compile_model(model, args, device):
     if not args.compile:
         return False
     graphs = device.type == "cuda" and getattr(args, "model", None) == "cnn"  # a copy: none
+    graphs &= dist.get_world_size() == 1  # under DDP: never run (pytorch issue 128218)
     model.compile(mode="reduce-overhead" if graphs else None, dynamic=False)  # static shapes
     keep_grads = graphs and args.grad_accum > 1
     for p in model.parameters() if keep_grads else ():

@@ -9,9 +9,10 @@ Through the wrapper: `bash run_pippy.sh [flags]`; for two nodes, on each node,
 `NNODES=2 NODE_RANK=0|1 MASTER_ADDR=node0 MASTER_PORT=29500 bash run_pippy.sh [flags]`.
 
 What pipeline parallelism changes compared with train_ddp.py:
-  setup  a device mesh: pipeline ranks x data-parallel replicas (--data-parallel D)
   model  built whole; model.blocks is cut into stages of about equal FLOPs, and a
          rank keeps only its stages' blocks (the others become nn.Identity)
+  layout a device mesh: pipeline ranks x data-parallel replicas (--data-parallel D; by
+         default as many pipeline ranks as the blocks fit, the rest replicas)
   wrap   a PipelineStage per local stage; a schedule (GPipe, 1F1B, ...) runs the
          microbatches through all of them
   loop   schedule.step(): the first stage feeds inputs, the last computes the loss
@@ -74,13 +75,22 @@ def main():
     dist.init_process_group(backend, **failures.process_group_options(device))
     world_size = dist.get_world_size()
     dtype, autocast = training.dtype_of(args), training.autocast(args, device)
-    check_flags(args, world_size)
-    mesh = make_mesh(args, device, world_size)  # (pp, dp)
-    dp, dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")  # replicas; this one
 
-    # ---- data: the sampler deals each rank its share ----
+    # ---- data: the same data set on every rank ----
     # collective: all ranks train on the same data
     dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
+    test_batches = training.Batches(test_set, args.batch_size, device, dtype, args.workers)
+
+    # ---- model: whole on every rank, from the seed (later its stages': docs/pipeline.md) ----
+    torch.manual_seed(args.seed)
+    model = models.build(args, train_set, device, dtype)  # --model, for the data
+    if init_from := training.opt_in(args, "init_from"):  # plumbing/init_from.py
+        init_from.load(model, args.init_from, log)  # collective
+    param_count = sum(p.numel() for p in model.parameters())
+
+    # ---- layout: the pipeline ranks model.blocks fit, the other ranks its replicas ----
+    mesh, chosen = make_mesh(args, device, world_size, blocks_of(model))  # (pp, dp); how chosen
+    dp, dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")  # replicas; this one
     # Every stage of replica d walks shard d; drop_last: no samples repeated to pad
     sampler = DistributedSampler(train_set, dp, dp_rank, seed=args.seed, drop_last=True)
     plan = training.Plan(args, len(sampler), dp, dataset_name, "replicas")
@@ -88,15 +98,6 @@ def main():
     checkpointer.check_outputs()  # collective: fails now, not after training
     seed = hash((args.seed, dp_rank))  # for this replica's DataLoader workers
     train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
-    test_batches = training.Batches(test_set, args.batch_size, device, dtype, args.workers)
-
-    # ---- model: whole on every rank, from the seed, as in train_ddp.py ----
-    # A rank keeps its stages' blocks (too big for a device: docs/pipeline.md)
-    torch.manual_seed(args.seed)
-    model = models.build(args, train_set, device, dtype)  # --model, for the data
-    if init_from := training.opt_in(args, "init_from"):  # plumbing/init_from.py
-        init_from.load(model, args.init_from, log)  # collective
-    param_count = sum(p.numel() for p in model.parameters())
     training.check_data_fits(model, train_batches, test_batches)  # bad data: one line, now
     flops = watch.flops_per_sample(model, next(test_batches([0]))[0])
 
@@ -109,7 +110,7 @@ def main():
     # ---- resume: from the newest checkpoint, if any ----
     resumed = checkpointer.resume(model, optimizer, log, first_names(tied))  # collective
     what = f"pipeline ({args.schedule}, {len(stage_blocks)} stages: blocks {stage_blocks}, "
-    what += f"{args.microbatches} microbatches) x {dp} replica(s)"
+    what += f"{args.microbatches} microbatches) x {dp} replica(s){chosen}"
     figures = watch.describe(args, plan, param_count, flops, "replica")
     log(f"{what} on {world_size} rank(s) ({backend}, {device.type}): {figures}")
 
@@ -136,7 +137,7 @@ def main():
             grads = [p.grad for p in model.parameters() if p.grad is not None]  # its stages'
             average_over_replicas(grads, mesh.get_group("dp"))  # collective
             if args.max_grad_norm:  # collective: the whole model's norm
-                norm = clip_grad_norm(model, tied, args.max_grad_norm, mesh.get_group("pp"))
+                norm = clip_grad_norm(model, tied, args.max_grad_norm, mesh.get_group("pp"), device)
             lr = plan.lr(progress.step)
             training.set_lr(optimizer, lr)
             optimizer.step()
@@ -216,19 +217,22 @@ def add_arguments(parser):  # the pipeline's flags
     add(
         "--data-parallel",
         type=positive,
-        default=1,
-        help="D pipeline replicas; world size = D x pipeline ranks",
+        default=None,
+        help="D pipeline replicas; world size = D x pipeline ranks (default: the fewest whose "
+        "pipeline's stages fit model.blocks)",
     )
 
 
-def make_mesh(args, device, world_size):
-    """world_size / D pipeline ranks (rows) of D replicas (columns).
+def make_mesh(args, device, world_size, blocks):
+    """world_size / D pipeline ranks (rows) of D replicas (columns), once check_flags has chosen
+    D if not given (and said how: returned).
 
     Pipeline outside, as in torchtitan: a stage's replicas are neighbours, on one node;
     only activations, between neighbouring stages, cross nodes.
     """
+    chosen = check_flags(args, world_size, len(blocks))
     shape = (world_size // args.data_parallel, args.data_parallel)
-    return init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp"))
+    return init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp")), chosen
 
 
 def make_schedule(stages, args, dtype):
@@ -262,12 +266,12 @@ def forward_backward(schedule, stages, images, labels, grad_accum):
     return torch.stack(losses).detach().sum().float() * grad_accum  # loss_fn divided it
 
 
-def clip_grad_norm(model, tied, max_norm, pp_group):
+def clip_grad_norm(model, tied, max_norm, pp_group, device):
     """Collective: clip to the norm of all stages' gradients (a tied weight's once); returns
     it, before clipping."""
     repeated = {weight.copy for weight in tied if not weight.counted}
     grads = [p.grad for p in model.parameters() if p.grad is not None and p not in repeated]
-    squares = torch.nn.utils.get_total_norm(grads) ** 2  # this rank's stages
+    squares = torch.nn.utils.get_total_norm(grads).to(device) ** 2  # this rank's (none: a CPU 0)
     dist.all_reduce(squares, group=pp_group)
     norm = squares.sqrt()
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
@@ -301,15 +305,35 @@ def stages_per_rank(args):  # default: 1 for gpipe and 1f1b, 2 for the others
     return args.stages_per_rank or (1 if SCHEDULES[args.schedule][1] == "one" else 2)
 
 
-def check_flags(args, world_size):
-    """Refuse, before any communication, layouts whose schedules fail or hang."""
+def pipeline_degree(world_size, blocks, per_rank):
+    """The most pipeline ranks, a divisor of the world size, whose stages fit the model's blocks
+    (None: none do); the other ranks replicate the pipeline."""
+    fit = [p for p in range(1, world_size + 1) if world_size % p == 0 and p * per_rank <= blocks]
+    return max(fit, default=None)
+
+
+def check_flags(args, world_size, blocks):
+    """Refuse, before any communication, layouts whose schedules fail or hang; choose
+    --data-parallel if not given (said on the start line: returned)."""
+    per_rank, chosen = stages_per_rank(args), ""
+    fits = pipeline_degree(world_size, blocks, per_rank)
+    if args.data_parallel is None:  # the fewest replicas whose pipeline fits the blocks
+        args.data_parallel = world_size // (fits or 1)
+        if fits and args.data_parallel > 1:
+            chosen = f" (--data-parallel's default: {blocks} blocks, {fits * per_rank} stages)"
     if world_size % args.data_parallel:
         raise failures.UsageError(
             f"--data-parallel {args.data_parallel} must be a positive divisor of the world size "
             f"{world_size}"
         )
-    pipeline_ranks, per_rank = world_size // args.data_parallel, stages_per_rank(args)
+    pipeline_ranks = world_size // args.data_parallel
     num_stages, kind = pipeline_ranks * per_rank, SCHEDULES[args.schedule][1]
+    if num_stages > blocks:  # each stage runs at least one block
+        remedy = f"--data-parallel {world_size // fits}" if fits else "fewer --stages-per-rank"
+        raise failures.UsageError(
+            f"{pipeline_ranks} pipeline ranks x {per_rank} stages per rank = {num_stages} stages, "
+            f"but model.blocks has only {blocks} blocks: give {remedy}"
+        )
     if kind == "one" and per_rank != 1:
         raise failures.UsageError(
             f"--schedule {args.schedule} runs one stage per rank; for --stages-per-rank "
@@ -344,6 +368,7 @@ def check_flags(args, world_size):
             "--compile is for train_ddp.py and train_fsdp.py: the pipeline's stages cannot "
             "send the non-contiguous activations compiled blocks may return"
         )
+    return chosen
 
 
 def build_stages(model, args, sample, mesh, autocast):
@@ -355,11 +380,6 @@ def build_stages(model, args, sample, mesh, autocast):
     pipeline_ranks, pp_rank = mesh["pp"].size(), mesh.get_local_rank("pp")
     num_stages = pipeline_ranks * stages_per_rank(args)
     costs = block_flops(model, sample)  # of each of model.blocks
-    if num_stages > len(costs):
-        raise failures.UsageError(
-            f"{pipeline_ranks} pipeline ranks x {stages_per_rank(args)} stages per rank = "
-            f"{num_stages} stages, but model.blocks has only {len(costs)} blocks"
-        )
     # A rank holds two neighbouring stages in the V (zbv), or in a loop on one rank.
     neighbours = num_stages > 1 and (args.schedule == "zbv" or pipeline_ranks == 1)
     old = torch.__version__ < (2, 14)  # seen on 2.9 and 2.11
@@ -458,18 +478,23 @@ class Stage(nn.Sequential):
             return super().forward(x)
 
 
-def block_flops(model, sample):
-    """The FLOPs of each of model.blocks on ``sample``. A UsageError if the model has
-    no blocks, or its forward does more than run them in order (the stages would train
-    another model), or they fail alone on its input (an embedding outside them)."""
+def blocks_of(model):
+    """model.blocks, which train_pippy.py cuts into stages; a UsageError if there are none."""
     if not isinstance(getattr(model, "blocks", None), (nn.Sequential, nn.ModuleList)):
         raise failures.UsageError(
             "train_pippy.py cuts model.blocks into stages: give your model a blocks (an "
             "nn.Sequential or nn.ModuleList) that its forward runs in order, and nothing else"
         )
+    return model.blocks
+
+
+def block_flops(model, sample):
+    """The FLOPs of each of model.blocks on ``sample``. A UsageError if the model has
+    no blocks, or its forward does more than run them in order (the stages would train
+    another model), or they fail alone on its input (an embedding outside them)."""
     model.eval()  # grad on: no_grad's fused TransformerEncoderLayer escapes the counter
     flops, x, failed = [], sample, None
-    for index, block in enumerate(model.blocks):
+    for index, block in enumerate(blocks_of(model)):
         try:
             with FlopCounterMode(display=False) as counter:
                 x = block(x)

@@ -201,7 +201,10 @@ def make_mesh(args, device, world_size):
     TP inside, as in torchtitan: a tp group's ranks are neighbours, on one node.
     """
     shape = (world_size // args.tp, args.tp)
-    return init_device_mesh(device.type, shape, mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "tp"))
+    if device.type == "cuda":  # DTensor's dropout: its tracker made now, not with rank 0's seed
+        torch.distributed.tensor._random.manual_seed(args.seed, mesh)  # as torchtitan's
+    return mesh
 
 
 def check_flags(args, world_size):
@@ -218,6 +221,10 @@ def check_flags(args, world_size):
             "--compile is for train_ddp.py and train_fsdp.py: train_tp.py's split layers "
             "call collectives of their own"
         )
+    # A tp group over two nodes: its collectives, several a layer, would cross the network.
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # this node's ranks (torchrun's)
+    if node % args.tp:
+        log(f"warning: --tp {args.tp} spans nodes of {node} ranks: give one that divides {node}")
 
 
 def is_babycnn(args):  # --model cnn; a copy has no --model, and its model takes a plan

@@ -8,6 +8,9 @@ import json
 import os
 import re
 import shutil
+import socket
+import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -41,6 +44,21 @@ def _renamed(optimizer_state, aliases):
 
 def _local(state):  # its tensors; of a DTensor, this rank's part
     return [getattr(t, "_local_tensor", t) for t in tree_leaves(state) if torch.is_tensor(t)]
+
+
+def _fresh_state_dicts(model, optimizer):
+    """get_state_dict of a fresh optimizer, its states made: torch makes them (a step of lr 0)
+    only where no gradient is set, and gradients kept for CUDA graphs (train_ddp.py's --compile
+    --grad-accum) left none, and none loaded. They are set aside meanwhile."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        return get_state_dict(model, optimizer)
+    finally:
+        for p, grad in zip(params, grads):
+            p.grad = grad
 
 
 def _first_cause(error):  # DCP's failures: {rank: (exception, traceback)}
@@ -129,6 +147,30 @@ class Checkpoints:
             )
         return Retryable(f"{line}; the ones saved before it are intact")
 
+    def _check_shared(self, wait=60):
+        """Collective: every rank sees a file rank 0 writes in the folder (within ``wait`` s: NFS
+        may cache a folder's listing), or all raise one line naming those that do not: in a
+        folder of each node's own, each saves its ranks' parts alone, and a resume fails."""
+        if not self.directory or dist.get_world_size() == 1:
+            return
+        make = lambda: tempfile.mkstemp(prefix=".shared-", dir=self.directory)[1]  # noqa: E731
+        name = os.path.basename(on_rank_0(make, "writing into --checkpoint-dir"))
+        probe = os.path.join(self.directory, name)  # in this rank's own --checkpoint-dir
+        deadline = time.monotonic() + wait
+        while not os.path.exists(probe) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        here = None if os.path.exists(probe) else f"{dist.get_rank()} ({socket.gethostname()})"
+        blind = [None] * dist.get_world_size()
+        dist.all_gather_object(blind, here)  # collective: all have looked
+        if dist.get_rank() == 0:
+            os.remove(probe)
+        if blind := [rank for rank in blind if rank]:
+            raise UsageError(
+                f"--checkpoint-dir {self.directory} is not shared: rank(s) {', '.join(blind)} "
+                "do not see rank 0's files there, yet every rank writes its part of each "
+                "checkpoint there and reads them all to resume; give a folder every node mounts"
+            )
+
     def what_is_saved(self):
         """For a diverged run's line: the newest checkpoint, which the same command resumes."""
         if not (saved := self.complete()):
@@ -157,13 +199,21 @@ class Checkpoints:
         states; where to go on. ``aliases`` ({name: name in the whole model}) name optimizer
         states here and in every save (_renamed)."""
         self.aliases = aliases or {}
+        self._check_shared()  # collective
         found = self._newest_intact(log)  # collective
         if found is None:
             return {"step": 0, "epoch": 0, "samples_into_epoch": 0}
         path, info = found
         # Not before: get_state_dict steps a fresh optimizer.
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = _fresh_state_dicts(model, optimizer)
         optimizer_tensors = _renamed(optimizer_state["state"], self.aliases)
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        if not optimizer_tensors and any(name.startswith("optimizer.") for name in saved):
+            raise UsageError(
+                f"checkpoint {path} holds optimizer states, but this run's optimizer has none to "
+                "load them into (SGD without the checkpoint's --momentum?): resuming would start "
+                "them from zero; resume with the checkpoint's optimizer flags"
+            )
         tensors = {"model": model_state, "optimizer": optimizer_tensors}  # in place
         same_ranks = all(info["layout"].get(k) == self.layout[k] for k in ("world_size", "device"))
         if same_ranks:  # random states: each rank's own

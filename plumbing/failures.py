@@ -94,17 +94,18 @@ def run(main, *also):
     """``main()``, then the process group's end: one line and an exit code (2: a UsageError, an
     ``also`` or ``bug_or_bad_data``; 75: ``transient``; 1: a crash; 128 + a signal)."""
     die_with_torchrun()
-    ending = None  # (line, exit code, the rank that says it, note it for torchrun?)
+    ending, problem = None, None  # (line, exit code, the rank that says it, note it?); what raised
     try:
         main()
     except (UsageError, *also) as error:
         node = int(os.environ.get("LOCAL_RANK", "0")) if isinstance(error, NodeError) else None
-        ending = (f"error: {error}", 2, node, True)
+        ending, problem = (f"error: {error}", 2, node, True), error
     except Stopped as stop:  # noted: the launcher keeps its exit code, and says it if no one did
-        ending = (*stop.args, None, True)
-    except KeyboardInterrupt:  # before the training loop's StopSignals
-        ending = ("stopped by SIGINT during start-up", 130, None, True)
+        ending, problem = (*stop.args, None, True), stop
+    except KeyboardInterrupt as error:  # before the training loop's StopSignals
+        ending, problem = ("stopped by SIGINT during start-up", 130, None, True), error
     except Exception as error:
+        problem = error
         under_torchrun = bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
         if cause := transient(error):  # each rank's: the launcher prints the first
             why = "exit code 75: torchrun restarts it while MAX_RESTARTS allows"
@@ -116,17 +117,23 @@ def run(main, *also):
             ending = (traceback.format_exc().rstrip(), 1, -1, True)
         else:  # plain python: its traceback, main's objects gone first
             traceback.clear_frames(error.__traceback__)
-            _end_process_group()
+            _end_process_group(problem)
             raise
-    _end_process_group()
+    _end_process_group(problem)
     if ending:
         _end(*ending)
 
 
-def _end_process_group():
+def ends_together(problem, world_size):
+    """Whether to destroy the process group: not after one rank's own error, as NCCL's destroy
+    waits for peers in a collective it never joins (torchtitan PR 1342); torchrun stops them."""
+    return problem is None or isinstance(problem, Stopped) or world_size == 1
+
+
+def _end_process_group(problem):
     # FSDP's objects sit in reference cycles: collected before the group and gloo's threads end.
     gc.collect()
-    if dist.is_initialized():
+    if dist.is_initialized() and ends_together(problem, dist.get_world_size()):
         dist.destroy_process_group()
 
 

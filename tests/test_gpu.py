@@ -13,15 +13,19 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import (
     EQUIVALENCE,
+    ROOT,
+    Run,
     assert_one_line_error,
     assert_same_math,
     child_env,
     load_weights,
     mnist_args,
+    our_lines,
     python,
     run_sh,
     succeeded,
     torchrun,
+    with_this_pythons_torchrun,
 )
 
 GPUS = torch.cuda.device_count()
@@ -129,8 +133,9 @@ def test_a_gpu_run_does_the_same_math_as_the_cpu_reference(reference, control, m
 
 
 # train_ddp.py --compile on one GPU: CUDA graphs (mode="reduce-overhead"), and with --grad-accum 2
-# the gradient buffers the graphs cannot reuse; on RANKS GPUs, inside DDP. train_fsdp.py compiles
-# each block, without CUDA graphs.
+# the gradient buffers the graphs cannot reuse; on RANKS GPUs, inside DDP, torch's default mode
+# (CUDA graphs only on one GPU until measured on more). train_fsdp.py compiles each block, without
+# CUDA graphs.
 @pytest.mark.parametrize(
     "script, processes, accumulate",
     [
@@ -244,3 +249,93 @@ def test_deterministic_reruns_are_bitwise_equal(model, mnist_dir, tmp_path):
         assert "does not have a deterministic implementation" not in succeeded(run).output
     first, second = (load_weights(tmp_path / f"{n}.pt") for n in (1, 2))
     assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+# ---- 2+ GPUs: what NCCL does and gloo cannot show (issue 60) ----
+two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs: NCCL between two ranks")
+
+NCCL_ALONE = """import os, time
+import torch, torch.distributed as dist
+from plumbing import failures
+
+def main():
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    if dist.get_rank() == 1:
+        raise OSError(5, "Input/output error")  # rank 1's own error: exit code 75
+    dist.all_reduce(torch.ones(1000, device=device))  # rank 1 never joins it
+    torch.cuda.synchronize()
+
+failures.run(main)
+"""
+
+
+@two_gpus
+def test_one_ranks_own_error_ends_an_nccl_job_within_seconds(tmp_path):
+    """Rank 0 waits in an all-reduce rank 1 never joins: rank 1 exits at once with its line (no
+    destroy_process_group, whose flush would wait for rank 0), and torchrun's signal ends rank 0
+    long before NCCL's watchdog (10 minutes)."""
+    (tmp_path / "worker.py").write_text(NCCL_ALONE)
+    env = with_this_pythons_torchrun(gpu_env(NPROC_PER_NODE=2))
+    run = Run(["bash", ROOT / "launch.sh", tmp_path / "worker.py"], env=env).wait(timeout=300)
+    assert run.returncode == 75 and run.seconds < 90, run.output
+    assert our_lines(run.output)[-1].startswith("error: OSError: [Errno 5] Input/output error")
+    assert "SIGABRT" not in run.output and "Traceback" not in run.output, run.output
+
+
+def test_a_compiled_accumulating_run_resumes_with_its_optimizer_states(mnist_dir, tmp_path):
+    """--compile --grad-accum 2 on one GPU: CUDA graphs, whose gradients are kept from the start.
+    DCP's get_state_dict then made no optimizer states to load into, and the resume started SGD's
+    momentum from zero without a word (issue 60). Resumed at step 12, it ends as the run never
+    stopped."""
+    common = [*mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "16", "--grad-accum", "2"]
+    common += ["--device", "cuda", "--compile", "--checkpoint-every", "12"]
+    whole = [*common, "--checkpoint-dir", tmp_path / "ck", "--save", tmp_path / "a.pt"]
+    succeeded(python("train_ddp.py", *whole, env=gpu_env()))
+    shutil.rmtree(tmp_path / "ck" / "step-24")  # as if the job had stopped after step 12
+    resumed = [*common, "--checkpoint-dir", tmp_path / "ck", "--save", tmp_path / "b.pt"]
+    assert "resumed from" in succeeded(python("train_ddp.py", *resumed, env=gpu_env())).output
+    a, b = load_weights(tmp_path / "a.pt"), load_weights(tmp_path / "b.pt")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-12
+
+
+NCCL_TIMEOUT = """import datetime, os, time
+import torch, torch.distributed as dist
+
+device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+torch.cuda.set_device(device)
+dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(seconds=10))
+tensor = torch.ones(1000, device=device)
+dist.all_reduce(tensor)  # number 1: both ranks
+torch.cuda.synchronize()
+if dist.get_rank() == 1:
+    time.sleep(300)  # hung: it never calls number 2
+dist.all_reduce(tensor)
+torch.cuda.synchronize()
+"""
+
+
+@two_gpus
+def test_an_nccl_timeout_is_said_as_one_and_retried_with_its_flight_recorder(tmp_path):
+    """launch.sh's TORCH_NCCL_ASYNC_ERROR_HANDLING=3: rank 0's watchdog writes its flight recorder
+    to FLIGHT_RECORDER_DIR, then ends the process; the launch names the collective that timed out,
+    exit code 75 (it said "rank 0 was killed by SIGABRT", 134, with mode 1 and no dump)."""
+    (tmp_path / "worker.py").write_text(NCCL_TIMEOUT)
+    env = with_this_pythons_torchrun(gpu_env(NPROC_PER_NODE=2, FLIGHT_RECORDER_DIR=tmp_path / "fr"))
+    run = Run(["bash", ROOT / "launch.sh", tmp_path / "worker.py"], env=env).wait(timeout=300)
+    assert f"(flight recorder dumps on an NCCL timeout: {tmp_path / 'fr'})" in run.output
+    assert run.returncode == 75 and (tmp_path / "fr" / "rank_0").exists(), run.output
+    last = our_lines(run.output)[-1]
+    assert last.startswith("error: a collective timed out on rank 0 (pid "), run.output
+    assert "(nccl:all_reduce number " in last, last  # the one the dump shows waiting
+
+
+@two_gpus
+def test_tp_keeps_each_ranks_dropout_seed(tmp_path):
+    """--model gpt-gpu (dropout 0.2) under TP on 2 GPUs: DTensor's random-number tracker, made on
+    its first random op, replaced every rank's CUDA seed with rank 0's and warned on each rank;
+    train_tp.py makes it first, without that sync (as torchtitan's set_determinism)."""
+    flags = ["--model", "gpt-gpu", "--tp", "2", "--device", "cuda", "--max-steps", "5"]
+    run = succeeded(torchrun("train_tp.py", 2, *flags, "--no-eval", env=gpu_env()))
+    assert "synchronizing RNG states" not in run.output, run.output

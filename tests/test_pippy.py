@@ -355,4 +355,4 @@ def test_too_few_microbatches_are_refused_where_batch_not_divisible_is(schedule)
         match=rf"^--schedule {schedule} needs at least as many microbatches as stages "
         r"\(2\), got --microbatches 1$",
     ):
-        train_pippy.check_flags(args, world_size=2)
+        train_pippy.check_flags(args, world_size=2, blocks=4)
