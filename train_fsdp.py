@@ -242,7 +242,6 @@ def shard(model, args, mesh):
     offload = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
     options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
     reshard = args.sharding != "grad-op"  # grad-op keeps weights gathered to backward
-    compiled = set()  # the units so far
     for index, (parent, name) in enumerate(units):
         block = getattr(parent, name)
         if args.activation_checkpointing:
@@ -253,8 +252,7 @@ def shard(model, args, mesh):
         # Checkpointing, compile, fully_shard: torchtitan's order. The compiled graph holds the
         # recomputation, and FSDP's gathers stay hooks around it. In place: names stay.
         if args.compile:
-            compile_outside(block, compiled)
-            compiled.add(block)
+            compile_outside(block, {getattr(p, n) for p, n in units[:index]})
         # Backward starts with the last block: resharding it would only regather.
         last = index == len(units) - 1
         fully_shard(block, reshard_after_forward=reshard and not last, **options)
@@ -263,15 +261,14 @@ def shard(model, args, mesh):
 
 
 def compile_outside(module, units):
-    """module.compile(), or, if it holds units (a GPT's list of layers, a unit for the tied
-    embedding and head), each child outside them: dynamo skips FSDP's hooks, a graph break in
-    a graph around them."""
-    if any(m in units for m in module.modules()):
-        for child in module.children():
-            if child not in units:
-                compile_outside(child, units)
-    else:
-        module.compile(dynamic=False)  # static shapes; the evaluation runs eager
+    """module.compile(), or, if it holds units (the GPT's list of layers, a unit for the tied
+    embedding and head), each child outside them: dynamo skips FSDP's hooks, so a graph around a
+    unit would break at them."""
+    if not any(m in units for m in module.modules()):
+        return module.compile(dynamic=False)  # static shapes; the evaluation runs eager
+    for child in module.children():
+        if child not in units:
+            compile_outside(child, units)
 
 
 def shard_units(model):

@@ -43,9 +43,10 @@ SCRIPTS = ["train_ddp.py", "train_fsdp.py", "train_pippy.py"]
 # Issue 61 builds FSDP's and TP's models on meta and fills each rank's part (train_fsdp.py's
 # parameters_on_meta, KeepMeta, PartsOfWhole, materialize; train_tp.py imports them). Issue 63 added
 # the user's input files' one line (failures.input_error, training._Reads: out of a DataLoader
-# worker too), the check of every batch drawn and one stop's grace.
-MAX_FORMATTED = {"train_ddp.py": 1180, "train_fsdp.py": 1373, "train_pippy.py": 1523}
-MAX_FORMATTED["train_tp.py"] = 1861
+# worker too), the check of every batch drawn and one stop's grace. train_fsdp.py's compile_outside
+# (a unit around others compiled in its parts outside them: no graph break) costs 7 lines (TP's 6).
+MAX_FORMATTED = {"train_ddp.py": 1180, "train_fsdp.py": 1380, "train_pippy.py": 1523}
+MAX_FORMATTED["train_tp.py"] = 1867
 MAX_DDP_BYTES = 59_000
 # Collective calls outside the scripts: 7 since issue 42, whose --init-from broadcasts (behind a
 # call marked collective) and whose plumbing/consolidate.py calls dcp.load without a process group
