@@ -252,12 +252,23 @@ def shard(model, args, mesh):
         # Checkpointing, compile, fully_shard: torchtitan's order. The compiled graph holds the
         # recomputation, and FSDP's gathers stay hooks around it. In place: names stay.
         if args.compile:
-            block.compile(dynamic=False)  # static shapes; the evaluation runs eager
+            compile_outside(block, {getattr(p, n) for p, n in units[:index]})
         # Backward starts with the last block: resharding it would only regather.
         last = index == len(units) - 1
         fully_shard(block, reshard_after_forward=reshard and not last, **options)
     fully_shard(model, reshard_after_forward=reshard, **options)
     return words
+
+
+def compile_outside(module, units):
+    """module.compile(), or, if it holds units (the GPT's list of layers, a unit for the tied
+    embedding and head), each child outside them: dynamo skips FSDP's hooks, so a graph around a
+    unit would break at them."""
+    if not any(m in units for m in module.modules()):
+        return module.compile(dynamic=False)  # static shapes; the evaluation runs eager
+    for child in module.children():
+        if child not in units:
+            compile_outside(child, units)
 
 
 def shard_units(model):
