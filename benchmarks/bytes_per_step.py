@@ -15,7 +15,8 @@ coalesced forms DTensor issues, and so on). For each call, n is the bytes of the
 benchmarks/collectives.py: the input of an all-reduce or a broadcast, the input of a reduce-scatter,
 the output of an all-gather (each rank holds n / W of it). The element size comes from the dtype of
 the gloo event that ran the call (of the next two in the order the calls were issued, which gloo's
-two worker threads may swap, the first whose size matches). The bytes one rank sends are the ring algorithm's, the way NCCL runs them:
+two worker threads may swap, the first whose size matches). The bytes one rank sends are the ring
+algorithm's, the way NCCL runs them:
 
     all-gather, reduce-scatter:  (W - 1) / W * n    (W - 1 steps, each passing a shard of n / W)
     all-reduce:              2 * (W - 1) / W * n    (a reduce-scatter, then an all-gather)
