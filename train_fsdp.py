@@ -234,11 +234,10 @@ def shard(model, args, mesh):
     units, words = shard_units(model)  # [(parent, name)]: BabyCNN's 4 blocks
     if args.compile:
         log("--compile: each block, without CUDA graphs (FSDP frees and re-gathers weights)")
-    mp_policy = MixedPrecisionPolicy()
-    if args.precision == "bf16":  # reduce and return logits in fp32
-        mp_policy = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
-        )
+    mp_policy = root_policy = MixedPrecisionPolicy()
+    if args.precision == "bf16":  # reduce in fp32; bf16 between units, for the root's own modules
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        root_policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32, torch.float32)  # logits
     offload = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
     options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
     reshard = args.sharding != "grad-op"  # grad-op keeps weights gathered to backward
@@ -256,7 +255,7 @@ def shard(model, args, mesh):
         # Backward starts with the last block: resharding it would only regather.
         last = index == len(units) - 1
         fully_shard(block, reshard_after_forward=reshard and not last, **options)
-    fully_shard(model, reshard_after_forward=reshard, **options)
+    fully_shard(model, reshard_after_forward=reshard, **options | {"mp_policy": root_policy})
     return words
 
 

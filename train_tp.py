@@ -236,11 +236,10 @@ def parallelize(model, args, mesh):
 
     Each rank keeps a 1/dp shard of its 1/tp part of each weight.
     """
-    mp_policy = MixedPrecisionPolicy()
-    if args.precision == "bf16":  # reduce and return logits in fp32
-        mp_policy = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
-        )
+    mp_policy = root_policy = MixedPrecisionPolicy()
+    if args.precision == "bf16":  # reduce in fp32; bf16 between units, for the root's own modules
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        root_policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32, torch.float32)  # logits
     if is_babycnn(args):  # BabyCNN's split, written out: what a plan's styles do inside
         tensor_parallel(model, mesh["tp"])
     else:  # a transformer: a plan keyed by module names, the form to copy
@@ -253,7 +252,7 @@ def parallelize(model, args, mesh):
         last = index == len(units) - 1
         options = {"reshard_after_forward": not last, "mp_policy": mp_policy}
         fully_shard(getattr(parent, name), mesh=mesh["dp"], **options)
-    fully_shard(model, mesh=mesh["dp"], mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=root_policy)
 
 
 def tp_plan(model, tp):

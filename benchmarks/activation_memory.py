@@ -4,7 +4,7 @@
 
 Autograd keeps, for backward, the tensors each operation saves. torch.autograd.graph's
 saved_tensors_hooks sees each one as forward saves it: this script counts their bytes, each
-storage once (q, k and v are views of their projections' outputs), leaving out the parameters
+storage once (q, k and v are views of the one qkv projection's output), leaving out the parameters
 (the training state, not activations). It runs one block's forward at a time:
 
 - the GPT's block (models/gpt.py) at the scripts' shapes, batch 16 of 64 positions, fp32, and

@@ -14,8 +14,9 @@ It counts the c10d calls on each rank's main thread (c10d::allreduce_, _allgathe
 coalesced forms DTensor issues, and so on). For each call, n is the bytes of the whole tensor, as in
 benchmarks/collectives.py: the input of an all-reduce or a broadcast, the input of a reduce-scatter,
 the output of an all-gather (each rank holds n / W of it). The element size comes from the dtype of
-the gloo event that ran the call (the next one in the order the calls were issued, whose size must
-match). The bytes one rank sends are the ring algorithm's, the way NCCL runs them:
+the gloo event that ran the call (of the next two in the order the calls were issued, which gloo's
+two worker threads may swap, the first whose size matches). The bytes one rank sends are the ring
+algorithm's, the way NCCL runs them:
 
     all-gather, reduce-scatter:  (W - 1) / W * n    (W - 1 steps, each passing a shard of n / W)
     all-reduce:              2 * (W - 1) / W * n    (a reduce-scatter, then an all-gather)
@@ -80,6 +81,12 @@ def numel(dims):
     return math.prod(dims)
 
 
+def ran_elements(event, world_size):
+    """The elements of the whole tensor a gloo event ran: its input's, an all-gather's times W."""
+    gathers = event["name"] == "gloo:all_gather"
+    return numel(event["args"]["Input Dims"][0]) * (world_size if gathers else 1)
+
+
 def read_step(path, world_size):
     """{"step": [calls], "after_step": [calls]} of one rank's trace of one step: each call {kind,
     elements, n, item_bytes, gloo}, in the order issued."""
@@ -100,13 +107,13 @@ def read_step(path, world_size):
             raise SystemExit(f"{path}: {e['name']} is not a collective this benchmark counts")
         kind, arg, shard = OPS[op]
         elements = numel(e["args"]["Input Dims"][arg]) * (world_size if shard else 1)
-        if not gloo:
-            raise SystemExit(f"{path}: no gloo event ran {e['name']}")
-        ran = gloo.pop(0)  # gloo runs the calls in the order issued
-        ran_elements = numel(ran["args"]["Input Dims"][0])
+        # gloo runs the calls in the order issued, but its 2 worker threads may start two calls
+        # issued back to back in either order: the first of the next 2 events of the call's size
+        ran = next((g for g in gloo[:2] if ran_elements(g, world_size) == elements), None)
+        if ran is None:
+            raise SystemExit(f"{path}: {e['name']} of {elements} elements, run as {gloo[:2]}")
+        gloo.remove(ran)
         ran_kind = ran["name"].removeprefix("gloo:")
-        if ran_elements * (world_size if ran_kind == "all_gather" else 1) != elements:
-            raise SystemExit(f"{path}: {e['name']} of {elements} elements, run as {ran}")
         item = ITEM_BYTES[ran["args"]["Input type"][0]]
         where = "step" if e["ts"] < step_end else "after_step"
         calls[where].append(

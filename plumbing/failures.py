@@ -119,6 +119,8 @@ def run(main, *also):
             traceback.clear_frames(error.__traceback__)
             _end_process_group(problem)
             raise
+    if problem is not None:  # its frames hold main's objects (the progress bar): gone first
+        problem.__traceback__ = None
     _end_process_group(problem)
     if ending:
         _end(*ending)

@@ -123,7 +123,9 @@ def test_the_pages_bytes_per_step_are_the_benchmarks(counted):
         r"`C` = (\d+), `T` = (\d+) positions, batch `B` = (\d+)",
     ) == [P, L, C, T, B]
     p_last, p_norm = sentence(
-        "transformer.md", r"`P_last` = ([\d,]+), the head's norm and table; `P_norm` = ([\d,]+)"
+        "transformer.md",
+        r"`P_last` = ([\d,]+), the root's: the two embeddings \(the head's table is the token "
+        r"table\) and the head's norm; `P_norm` = ([\d,]+)",
     )
     assert (p_last, p_norm) == (sizes["P_last"], sizes["P_norm"])
     ring = (W - 1) / W

@@ -574,6 +574,7 @@ def test_bad_checkpoints_are_one_line_errors(uninterrupted, mnist_dir, tmp_path)
     ).is_dir()  # with none intact, nothing is moved
 
 
+@pytest.mark.slow  # 24 s on a loaded machine: the README's suite keeps its 8 minutes
 def test_checkpoint_read_errors_are_not_damage(uninterrupted, mnist_dir, tmp_path):
     """A file of the newest checkpoint that cannot be read is the environment's, not damage: a real
     EIO (the file a symlink to /proc/self/mem, whose read at offset 0 fails so) exits 75 for

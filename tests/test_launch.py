@@ -470,7 +470,7 @@ def stopped(pid):  # state T: stopped by a signal
 @pytest.mark.parametrize(
     "sender",
     [
-        "gnu-timeout",
+        pytest.param("gnu-timeout", marks=pytest.mark.slow),  # 22 s: the suite's budget
         pytest.param("launcher-and-workers", marks=pytest.mark.slow),  # 30 s: the suite's budget
         "twice-in-the-grace",
     ],

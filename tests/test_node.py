@@ -97,6 +97,7 @@ except RuntimeError:  # as NCCL's watchdog at the timeout: the dump (WRITE_DUMP)
 """
 
 
+@pytest.mark.slow  # 18 s on a loaded machine: the README's suite keeps its 8 minutes
 def test_a_watchdog_timeout_is_a_collectives_timeout_retried_not_a_kill(tmp_path):
     """NCCL's watchdog ends a rank whose collective timed out with SIGABRT, after writing its flight
     recorder (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, launch.sh's). Played here on gloo, with torch's own
@@ -226,6 +227,7 @@ failures.run(main)
 """
 
 
+@pytest.mark.slow  # 41 s on a loaded machine: the README's suite keeps its 8 minutes
 def test_a_resume_loads_the_optimizers_states_also_where_gradients_are_preset(tmp_path):
     """--compile --grad-accum > 1 keeps gradients for CUDA graphs from the start. DCP's
     get_state_dict then skipped making the fresh AdamW's states, so the resume loaded none and
