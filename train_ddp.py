@@ -156,7 +156,8 @@ def compile_model(model, args, device):
     if not args.compile:
         return False
     graphs = device.type == "cuda" and getattr(args, "model", None) == "cnn"  # a copy: none
-    graphs &= dist.get_world_size() == 1  # under DDP: never run (pytorch issue 128218)
+    # never run under DDP (pytorch issue 128218); a test's process may have no group
+    graphs &= not dist.is_initialized() or dist.get_world_size() == 1
     model.compile(mode="reduce-overhead" if graphs else None, dynamic=False)  # static shapes
     keep_grads = graphs and args.grad_accum > 1
     for p in model.parameters() if keep_grads else ():
