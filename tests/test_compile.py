@@ -22,7 +22,7 @@ BREAKS = re.compile(r"\[__graph_breaks\] Graph break")
 @pytest.mark.slow  # four compiles, half a minute each
 @pytest.mark.skipif(  # open: FSDP's BabyCNN recompiles on 2.9 since the meta build (2026-11-29)
     tuple(map(int, torch.__version__.split(".")[:2])) < (2, 10),
-    reason="train_fsdp.py --compile recompiles on torch 2.9 (open, see the Measurements page)",
+    reason="train_fsdp.py --compile recompiles on torch 2.9 (open)",
 )
 def test_no_graph_break_and_no_recompilation_in_a_compiled_training_step(tmp_path):
     layouts = {
