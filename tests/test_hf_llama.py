@@ -153,7 +153,7 @@ def checkpoint_model(directory):
 def test_fsdp_shards_a_tied_weight_in_a_unit_around_both_its_modules():
     """fully_shard on the embedding and on the head made two weights of one: neither is a unit
     now, and the blocks around both hold the tied weight; the decoder layers stay units."""
-    from train_fsdp import shard_units
+    from plumbing.parts import shard_units
 
     torch.manual_seed(0)
     model = snippet().Net()
