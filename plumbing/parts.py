@@ -80,32 +80,38 @@ def materialize(model, device, args, fill, log, holds=None):
     """Collective: allocate this rank's part of every parameter (``to_empty``), of the modules it
     ``holds`` (a pipeline stage's blocks; default: all), and fill it, from the file or as the
     model's reset_parameters() fills the whole, from the seed; the buffers, real all along, kept;
-    the rest stays on meta. Nothing for a model built whole (``fill`` None)."""
-    if not fill:
-        return
-    buffers = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
-    tied = tied_names(model)  # to_empty gives each module its own copy
-    for module in holds or [model]:
-        module.to_empty(device=device)
-    for module, name, buffer in buffers:
-        module._buffers[name] = buffer.to(device)
-    for names in tied:  # one parameter again, a real one if this rank holds any
-        weight = min((model.get_parameter(n) for n in names), key=lambda p: p.is_meta)
-        for name in [n for n in names if model.get_parameter(n) is not weight]:
-            module, _, attribute = name.rpartition(".")
-            setattr(model.get_submodule(module), attribute, weight)
+    the rest stays on meta. Nothing to fill for a model built whole (``fill`` None). Logs each
+    rank's parameters (the bytes it allocated) and its peak memory."""
+    if fill:
+        buffers = [
+            (m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None
+        ]
+        tied = tied_names(model)  # to_empty gives each module its own copy
+        for module in holds or [model]:
+            module.to_empty(device=device)
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer.to(device)
+        for names in tied:  # one parameter again, a real one if this rank holds any
+            weight = min((model.get_parameter(n) for n in names), key=lambda p: p.is_meta)
+            for name in [n for n in names if model.get_parameter(n) is not weight]:
+                module, _, attribute = name.rpartition(".")
+                setattr(model.get_submodule(module), attribute, weight)
     if fill == "init_from":  # plumbing/init_from.py; what stays on meta is not read
         training.opt_in(args, "init_from").load(model, args.init_from, log)  # collective
-    else:  # bitwise the values of a whole build: each parameter drawn whole, its part kept
+    elif fill:  # bitwise the values of a whole build: each parameter drawn whole, its part kept
         torch.manual_seed(args.seed)
         with torch.no_grad(), Parts():
             model.reset_parameters()
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    held = sum(p.nbytes for p in local if not p.is_meta)  # what this rank allocated
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB; RSS
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak)  # collective
-    log(f"each rank's peak memory once filled: {', '.join(f'{p / 1e6:,.0f}' for p in peaks)} MB")
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, (held, peak))  # collective
+    held = ", ".join(f"{h / 1e6:,.3f}" for h, _ in ranks)
+    peaks = ", ".join(f"{p / 1e6:,.0f}" for _, p in ranks)
+    log(f"each rank's parameters once filled: {held} MB; each rank's peak memory: {peaks} MB")
 
 
 def tied_names(model):
