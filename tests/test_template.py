@@ -208,7 +208,7 @@ def test_a_copied_script_trains_another_model_on_other_data(tmp_path):
     section = copy_section()
     project, user_file = make_copy(tmp_path, SCRIPTS, ["metrics"])
     assert not (project / "models").exists()  # no BabyCNN, no bundled data: not needed
-    command = re.search(r"`(torchrun [^`]*train_ddp\.py[^`]*)`", section).group(1).split()
+    command = re.search(r"`(torchrun\s[^`]*train_ddp\.py[^`]*)`", section).group(1).split()
     env = child_env(
         PYTHONPATH=project
     )  # the copy's own models/ and plumbing/, not this repository's
