@@ -10,21 +10,19 @@ Through the wrapper: `bash run_fsdp.sh [flags]`; for two nodes, on each node,
 
 What FSDP changes compared with train_ddp.py:
   setup  a device mesh: 1-D (shard), or 2-D (replicate x shard) for hybrid
+  model  built on meta: a rank allocates and fills only its shards (plumbing/parts.py)
   wrap   fully_shard() on each block, then the root: a rank keeps a shard of
-         each parameter (of the model built whole, so any model's init is right)
+         each parameter
   loop   set_requires_gradient_sync(False), not no_sync(); MixedPrecisionPolicy
   save   get_model_state_dict(full_state_dict=True) gathers; rank 0 writes
 Every collective is called here, or in a call marked "collective".
 """
 
-import contextlib
 import os
-import resource
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -35,13 +33,11 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor
-from torch.overrides import TorchFunctionMode
 from torch.utils.data.distributed import DistributedSampler
 
 import models
 from models import data
-from plumbing import checkpoints, failures, training, watch
+from plumbing import checkpoints, failures, parts, training, watch
 from plumbing.watch import log
 
 
@@ -75,25 +71,25 @@ def main():
 
     # ---- model: its parameters on meta (no memory) until each rank fills its own part ----
     torch.manual_seed(args.seed)
-    with parameters_on_meta():
+    with parts.parameters_on_meta():
         model = models.build(args, train_set, device, dtype)  # --model, for the data
-    if not (fill := filled_by(model, args)):  # nothing fills a part: whole, as train_ddp.py
+    if not (fill := parts.filled_by(model, args)):  # nothing fills a part: whole, as train_ddp.py
         model = models.build(args, train_set, device, dtype)  # --model, for the data
     param_count = sum(p.numel() for p in model.parameters())
     training.check_data_fits(model, train_batches, test_batches)  # bad data: one line, now
-    flops = watch.flops_per_sample(model, on(model, next(test_batches([0]))[0]))
+    flops = watch.flops_per_sample(model, parts.on(model, next(test_batches([0]))[0]))
 
     # ---- wrap: shard each block (one all-gather unit each), then the root ----
     units = shard(model, args, mesh)  # in words, for the start line
-    materialize(model, device, args, fill, log)  # collective: each rank fills its part
+    parts.materialize(model, device, args, fill, log)  # collective: each rank fills its part
     optimizer = training.make_optimizer(args, model.parameters())
 
     # ---- resume: from the newest checkpoint, if any ----
     resumed = checkpointer.resume(model, optimizer, log)  # collective
     recompute = ", activation checkpointing" if args.activation_checkpointing else ""
     what = f"FSDP ({args.sharding}{recompute}, mesh {tuple(mesh.shape)}, {units})"
-    figures = watch.describe(args, plan, param_count, flops)
-    log(f"{what} on {world_size} rank(s) ({backend}, {device.type}): {figures}; {BUILT[fill]}")
+    figures = f"{watch.describe(args, plan, param_count, flops)}; {parts.BUILT[fill]}"
+    log(f"{what} on {world_size} rank(s) ({backend}, {device.type}): {figures}")
 
     # ---- train loop ----
     progress = watch.Progress(plan, args, device, resumed["step"])  # --log-dir, --profile-steps
@@ -231,7 +227,7 @@ def make_mesh(args, device, world_size):
 def shard(model, args, mesh):
     """Each unit checkpointed (--activation-checkpointing), compiled (--compile) and sharded
     (an all-gather each), then the root; the units in words."""
-    units, words = shard_units(model)  # [(parent, name)]: BabyCNN's 4 blocks
+    units, words = parts.shard_units(model)  # [(parent, name)]: BabyCNN's 4 blocks
     if args.compile:
         log("--compile: each block, without CUDA graphs (FSDP frees and re-gathers weights)")
     mp_policy = root_policy = MixedPrecisionPolicy()
@@ -268,128 +264,6 @@ def compile_outside(module, units):
     for child in module.children():
         if child not in units:
             compile_outside(child, units)
-
-
-def shard_units(model):
-    """The submodules to shard, as (parent, name), inner ones first, and words on them:
-    each layer of a list of layers (nn.Sequential, nn.ModuleList: BabyCNN's blocks, a
-    BERT's bert.encoder.layer) not inside another, then each child of the model. A unit
-    holds the parameters no unit before it holds (none: no unit); the root the rest.
-    No unit holds a weight tied to a module outside it (an LM's embedding and head):
-    fully_shard on each would make two weights of it, so a unit around both holds it."""
-
-    def layers(module):  # those of the outermost lists of layers in module
-        if isinstance(module, (nn.Sequential, nn.ModuleList)):
-            return [(module, name) for name, _ in module.named_children()]
-        return [unit for child in module.children() for unit in layers(child)]
-
-    holders = {}  # parameter: the modules that hold it, two for a tied weight
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            holders.setdefault(p, set()).add(module)
-
-    def tied_outside(unit):
-        inside = set(unit.modules())
-        return any(holders[p] - inside for p in unit.parameters())
-
-    units = [u for name, child in model.named_children() for u in [*layers(child), (model, name)]]
-    units = [(parent, name) for parent, name in units if not tied_outside(getattr(parent, name))]
-    held = [set(getattr(p, n).parameters()) for p, n in units] + [set(model.parameters())]
-    sizes = [sum(p.numel() for p in mine.difference(*held[:i])) for i, mine in enumerate(held)]
-    share, count = max(sizes) / sum(sizes), sum(map(bool, sizes))
-    words = f"{count} units, the largest {share:.0%} of the parameters"
-    return [unit for unit, size in zip(units, sizes) if size], words
-
-
-BUILT = {  # the start line's words on how the model was built
-    None: "built whole: your model has no reset_parameters() to fill a part (docs/fsdp.md)",
-    "seed": "built on meta, each rank's part filled from the seed",
-    "init_from": "built on meta, each rank's part read from --init-from",
-}
-
-
-@contextlib.contextmanager
-def parameters_on_meta():
-    """Each parameter a module registers inside goes to the meta device: a shape, no memory (one
-    parameter is real at a time, as it is made); buffers stay real; .to() keeps meta on meta."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module, name, param):
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.to("meta"), param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        with KeepMeta():
-            yield
-    finally:
-        nn.Module.register_parameter = register
-
-
-class KeepMeta(TorchFunctionMode):
-    """``tensor.to(device, dtype)`` of a meta tensor: only the dtype changes (Module.to)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.to and args[0].is_meta:
-            given = [*args[1:], kwargs.get("dtype")]
-            dtype = next((a for a in given if isinstance(a, torch.dtype)), args[0].dtype)
-            return func(args[0], dtype=dtype)
-        return func(*args, **kwargs)
-
-
-class PartsOfWhole(TorchFunctionMode):
-    """In a model's init: a whole tensor copied into a DTensor fills this rank's part of it."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.copy_ and isinstance(args[0], DTensor):
-            if not isinstance(args[1], DTensor):
-                (chunk,) = args[0].__create_chunk_list__()  # its offsets in the whole
-                index = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
-                args[0].to_local().copy_(args[1][index])
-                return args[0]
-        return func(*args, **(kwargs or {}))
-
-
-def filled_by(model, args):
-    """How a model built on meta gets its values; None if nothing fills a part: build it whole,
-    from the seed, set again here."""
-    if args.init_from:
-        return "init_from"
-    if hasattr(model, "reset_parameters"):
-        return "seed"
-    torch.manual_seed(args.seed)
-    return None
-
-
-def on(model, inputs):
-    """``inputs`` on the device of the model's parameters: meta, until they are filled."""
-    return inputs.to("meta") if next(model.parameters()).is_meta else inputs
-
-
-def materialize(model, device, args, fill, log):
-    """Collective: allocate each rank's part of every parameter (``to_empty``)
-    and fill it, from the file or as the model's reset_parameters() fills the whole, from the
-    seed; the buffers, real all along, kept. Nothing for a model built whole (``fill`` None)."""
-    if not fill:
-        return
-    buffers = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
-    model.to_empty(device=device)
-    for module, name, buffer in buffers:
-        module._buffers[name] = buffer.to(device)
-    if fill == "init_from":  # plumbing/init_from.py
-        training.opt_in(args, "init_from").load(model, args.init_from, log)  # collective
-    else:  # bitwise the values of a whole build: each parameter drawn whole, its part kept
-        torch.manual_seed(args.seed)
-        with torch.no_grad(), PartsOfWhole():
-            model.reset_parameters()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB; RSS
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak)  # collective
-    log(f"each rank's peak memory once filled: {', '.join(f'{p / 1e6:,.0f}' for p in peaks)} MB")
 
 
 def clip_grad_norm(model, max_norm):

@@ -9,8 +9,8 @@ Through the wrapper: `bash run_pippy.sh [flags]`; for two nodes, on each node,
 `NNODES=2 NODE_RANK=0|1 MASTER_ADDR=node0 MASTER_PORT=29500 bash run_pippy.sh [flags]`.
 
 What pipeline parallelism changes compared with train_ddp.py:
-  model  built whole; model.blocks is cut into stages of about equal FLOPs, and a
-         rank keeps only its stages' blocks (the others become nn.Identity)
+  model  built on meta; model.blocks is cut into stages of about equal FLOPs, and a
+         rank allocates and fills only its stages' blocks (the others become nn.Identity)
   layout a device mesh: pipeline ranks x data-parallel replicas (--data-parallel D; by
          default as many pipeline ranks as the blocks fit, the rest replicas)
   wrap   a PipelineStage per local stage; a schedule (GPipe, 1F1B, ...) runs the
@@ -45,7 +45,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import models
 from models import data
-from plumbing import checkpoints, failures, training, watch
+from plumbing import checkpoints, failures, parts, training, watch
 from plumbing.watch import log
 
 # name: (schedule class, stages per rank it runs)
@@ -81,11 +81,12 @@ def main():
     dataset_name, train_set, test_set = data.load(found, device, dtype, args.workers, log)
     test_batches = training.Batches(test_set, args.batch_size, device, dtype, args.workers)
 
-    # ---- model: whole on every rank, from the seed (later its stages': docs/pipeline.md) ----
+    # ---- model: its parameters on meta (no memory) until each rank fills its stages' blocks ----
     torch.manual_seed(args.seed)
-    model = models.build(args, train_set, device, dtype)  # --model, for the data
-    if init_from := training.opt_in(args, "init_from"):  # plumbing/init_from.py
-        init_from.load(model, args.init_from, log)  # collective
+    with parts.parameters_on_meta():
+        model = models.build(args, train_set, device, dtype)  # --model, for the data
+    if not (fill := parts.filled_by(model, args)):  # nothing fills a part: whole, as train_ddp.py
+        model = models.build(args, train_set, device, dtype)  # --model, for the data
     param_count = sum(p.numel() for p in model.parameters())
 
     # ---- layout: the pipeline ranks model.blocks fit, the other ranks its replicas ----
@@ -99,20 +100,20 @@ def main():
     seed = hash((args.seed, dp_rank))  # for this replica's DataLoader workers
     train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
     training.check_data_fits(model, train_batches, test_batches)  # bad data: one line, now
-    flops = watch.flops_per_sample(model, next(test_batches([0]))[0])
+    flops = watch.flops_per_sample(model, parts.on(model, next(test_batches([0]))[0]))
 
-    # ---- wrap: a PipelineStage per local stage, one schedule for all ----
+    # ---- wrap: a PipelineStage per local stage, its blocks filled (collective); one schedule ----
     sample = next(test_batches([0]))[0][:1]  # one input, as the first stage gets it
-    stages, stage_blocks, tied = build_stages(model, args, sample, mesh, autocast)
+    stages, stage_blocks, tied = build_stages(model, args, sample, mesh, fill, autocast)
     schedule = make_schedule(stages, args, dtype)
     optimizer = training.make_optimizer(args, model.parameters())
 
     # ---- resume: from the newest checkpoint, if any ----
     resumed = checkpointer.resume(model, optimizer, log, first_names(tied))  # collective
     what = f"pipeline ({args.schedule}, {len(stage_blocks)} stages: blocks {stage_blocks}, "
-    what += f"{args.microbatches} microbatches) x {dp} replica(s){chosen}"
+    what += f"{args.microbatches} microbatches) x {dp} replica(s){chosen} on {world_size} rank(s)"
     figures = watch.describe(args, plan, param_count, flops, "replica")
-    log(f"{what} on {world_size} rank(s) ({backend}, {device.type}): {figures}")
+    log(f"{what} ({backend}, {device.type}): {figures}; {parts.BUILT[fill]}")
 
     # ---- train loop ----
     progress = watch.Progress(plan, args, device, resumed["step"])  # --log-dir, --profile-steps
@@ -134,8 +135,7 @@ def main():
                 # collective: activations and gradients between stages; 0 off the last
                 window.append(forward_backward(schedule, stages, images, labels, args.grad_accum))
             sum_tied_grads(tied, device, mesh.get_group("pp"))  # collective: tied weights' copies
-            grads = [p.grad for p in model.parameters() if p.grad is not None]  # its stages'
-            average_over_replicas(grads, mesh.get_group("dp"))  # collective
+            average_over_replicas(model, mesh.get_group("dp"))  # collective: its stages' grads
             if args.max_grad_norm:  # collective: the whole model's norm
                 norm = clip_grad_norm(model, tied, args.max_grad_norm, mesh.get_group("pp"), device)
             lr = plan.lr(progress.step)
@@ -278,11 +278,12 @@ def clip_grad_norm(model, tied, max_norm, pp_group, device):
     return norm
 
 
-def average_over_replicas(grads, dp_group):
+def average_over_replicas(model, dp_group):
     """Collective: each gradient becomes its mean over the replicas, in one all-reduce."""
     replicas = dist.get_world_size(dp_group)
     if replicas == 1:
         return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]  # its stages'
     flat = torch.cat([g.flatten() for g in grads])
     dist.all_reduce(flat, group=dp_group)
     parts = flat.split([g.numel() for g in grads])
@@ -371,15 +372,16 @@ def check_flags(args, world_size, blocks):
     return chosen
 
 
-def build_stages(model, args, sample, mesh, autocast):
-    """This rank's PipelineStages, cut from model.blocks, every stage's blocks, and the
-    weights tied across stages (tied_weights).
+def build_stages(model, args, sample, mesh, fill, autocast):
+    """Collective: this rank's PipelineStages, cut from model.blocks, every stage's blocks, and
+    the weights tied across stages (tied_weights).
 
-    Stages of about equal FLOPs; other ranks' blocks become nn.Identity.
+    Stages of about equal FLOPs; this rank allocates and fills only its own blocks (``fill``:
+    plumbing/parts.py), the others stay on meta, then become nn.Identity.
     """
     pipeline_ranks, pp_rank = mesh["pp"].size(), mesh.get_local_rank("pp")
     num_stages = pipeline_ranks * stages_per_rank(args)
-    costs = block_flops(model, sample)  # of each of model.blocks
+    costs = block_flops(model, parts.on(model, sample))  # of each of model.blocks
     # A rank holds two neighbouring stages in the V (zbv), or in a loop on one rank.
     neighbours = num_stages > 1 and (args.schedule == "zbv" or pipeline_ranks == 1)
     old = torch.__version__ < (2, 14)  # seen on 2.9 and 2.11
@@ -402,8 +404,10 @@ def build_stages(model, args, sample, mesh, autocast):
         stage_indices = [pp_rank, 2 * pipeline_ranks - 1 - pp_rank]
     else:
         stage_indices = [pp_rank + k * pipeline_ranks for k in range(stages_per_rank(args))]
-    tied = tied_weights(model, stage_blocks, stage_indices)  # before the cut
     local = [block for index in stage_indices for block in stage_blocks[index]]
+    holds = [model.blocks[block] for block in local]  # the rest stays on meta
+    parts.materialize(model, sample.device, args, fill, log, holds)  # collective
+    tied = tied_weights(model, stage_blocks, stage_indices)  # before the cut
     for index in range(len(model.blocks)):
         if index not in local:  # names stay the whole model's, for checkpoints
             model.blocks[index] = nn.Identity()
@@ -426,18 +430,13 @@ def tied_weights(model, stage_blocks, stage_indices):
     rank's copy (None if its stages hold none), whether the norm counts this copy (the
     first stage's). Each stage keeps a copy; sum_tied_grads keeps them equal."""
     stage_of = {block: stage for stage, blocks in enumerate(stage_blocks) for block in blocks}
-    found = {}  # parameter: (its names, the stages that hold it)
-    for index, block in enumerate(model.blocks):
-        for name, p in block.named_parameters():
-            names, stages = found.setdefault(p, ([], set()))
-            names.append(f"blocks.{index}.{name}")
-            stages.add(stage_of[index])
-    mine = set(stage_indices)
-    return [
-        TiedWeight(names, p.detach().to("meta"), p if stages & mine else None, min(stages) in mine)
-        for p, (names, stages) in found.items()
-        if len(stages) > 1 and p.requires_grad
-    ]
+    mine, found = set(stage_indices), []
+    for names in parts.tied_names(model):  # names[0]: this rank's copy, if it holds one
+        p, stages = model.get_parameter(names[0]), {stage_of[int(n.split(".")[1])] for n in names}
+        if len(stages) > 1 and p.requires_grad:
+            copy = p if stages & mine else None
+            found.append(TiedWeight(names, p.detach().to("meta"), copy, min(stages) in mine))
+    return found
 
 
 def first_names(tied):
@@ -514,7 +513,8 @@ def block_flops(model, sample):
             f"({type(error).__name__}): move the work your forward does outside blocks into "
             "them, in order (an embedding first, a head last)"
         )
-    if x.shape != whole.shape or not torch.allclose(x, whole, rtol=1e-3, atol=1e-6):
+    same = x.is_meta or torch.allclose(x, whole, rtol=1e-3, atol=1e-6)  # meta: the shapes
+    if x.shape != whole.shape or not same:
         raise failures.UsageError(f"{start}: move that work into blocks (nn.Flatten(), ...)")
     return flops
 

@@ -16,8 +16,8 @@ What TP changes compared with train_fsdp.py:
   wrap   the GPT (--model gpt): parallelize_module() with tp_plan(), the plan to copy
          for a transformer (heads, MLP, sequence parallelism, vocabulary-split logits);
          BabyCNN: tensor_parallel() splits pairs of layers by channels, written out to
-         show what TP does inside. Then fully_shard() over dp, with train_fsdp.py's
-         units; the optimizer after both
+         show what TP does inside. Then fully_shard() over dp, with FSDP's units
+         (plumbing/parts.py); the optimizer after both
   loss   loss_parallel(): cross-entropy over the GPT's vocabulary-split logits
   eval   each tp group scores a slice; the sums are all-reduced over dp
 Every collective is called here, or in a call marked "collective".
@@ -47,9 +47,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 import models
 from models import data
-from plumbing import checkpoints, failures, training, watch
+from plumbing import checkpoints, failures, parts, training, watch
 from plumbing.watch import log
-from train_fsdp import BUILT, filled_by, materialize, on, parameters_on_meta, shard_units
 
 # A query, key and value in one Linear: GPT-2's c_attn, qkv_proj, query_key_value, in_proj
 FUSED = re.compile(r"qkv|c_attn|query_key_value|in_proj", re.IGNORECASE)
@@ -86,24 +85,24 @@ def main():
 
     # ---- model: its parameters on meta (no memory) until each rank fills its own part ----
     torch.manual_seed(args.seed)
-    with parameters_on_meta():
+    with parts.parameters_on_meta():
         model = models.build(args, train_set, device, dtype)  # --model, for the data
-    if not (fill := filled_by(model, args)):  # nothing fills a part: whole, as train_ddp.py
+    if not (fill := parts.filled_by(model, args)):  # nothing fills a part: whole, as train_ddp.py
         model = models.build(args, train_set, device, dtype)  # --model, for the data
     param_count = sum(p.numel() for p in model.parameters())
     training.check_data_fits(model, train_batches, test_batches)  # bad data: one line, now
-    flops = watch.flops_per_sample(model, on(model, next(test_batches([0]))[0]))
+    flops = watch.flops_per_sample(model, parts.on(model, next(test_batches([0]))[0]))
 
     # ---- wrap: split each layer across the tp ranks, then shard them over dp ----
     parallelize(model, args, mesh)
-    materialize(model, device, args, fill, log)  # collective: each rank fills its part
+    parts.materialize(model, device, args, fill, log)  # collective: each rank fills its part
     optimizer = training.make_optimizer(args, model.parameters())  # after the split: its parts
 
     # ---- resume: from the newest checkpoint, if any ----
     resumed = checkpointer.resume(model, optimizer, log)  # collective
     what = f"TP {args.tp} x FSDP {dp} (mesh (dp, tp) {tuple(mesh.shape)}) on {world_size} rank(s)"
     figures = watch.describe(args, plan, param_count, flops, "tp group")
-    log(f"{what} ({backend}, {device.type}): {figures}; {BUILT[fill]}")
+    log(f"{what} ({backend}, {device.type}): {figures}; {parts.BUILT[fill]}")
 
     # ---- train loop ----
     progress = watch.Progress(plan, args, device, resumed["step"])  # --log-dir, --profile-steps
@@ -243,10 +242,10 @@ def parallelize(model, args, mesh):
     if is_babycnn(args):  # BabyCNN's split, written out: what a plan's styles do inside
         tensor_parallel(model, mesh["tp"])
     else:  # a transformer: a plan keyed by module names, the form to copy
-        tied = tied_names(model)  # before the split gives each module a new parameter
+        tied = parts.tied_names(model)  # before the split gives each module a new parameter
         parallelize_module(model, mesh["tp"], checked(tp_plan, model, args.tp))
         retie(model, tied)
-    units, _ = shard_units(model)  # train_fsdp.py's: each layer; tied weights in the root
+    units, _ = parts.shard_units(model)  # FSDP's: each layer; tied weights in the root
     for index, (parent, name) in enumerate(units):
         # Backward starts with the last unit: resharding it would only regather.
         last = index == len(units) - 1
@@ -344,14 +343,6 @@ def checked(make_plan, model, tp):
                 "rows_by_head = True (docs/transformer.md)"
             )
     return plan
-
-
-def tied_names(model):
-    """The names of each weight that several modules share (an LM's embedding and head)."""
-    names = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(p, []).append(name)
-    return [group for group in names.values() if len(group) > 1]
 
 
 def retie(model, tied):

@@ -111,6 +111,8 @@ def init_block(block, block_index):
     base_seed = torch.initial_seed()
     for name, param in block.named_parameters():
         local, first_row, columns = _local_rows(param)
+        if local.is_meta:  # another pipeline stage's block: nothing held here to fill
+            continue
         if name.endswith("bias"):
             local.zero_()
             continue

@@ -36,9 +36,8 @@ def load(model, path, log):
         if kind == "dcp":  # DCP reads each rank's parts itself
             import torch.distributed.checkpoint as dcp
 
-            dcp.load(
-                {"model": {key: mine[n] for n, (_, key) in names.items()}}, checkpoint_id=files[0]
-            )
+            state = {key: mine[n] for n, (_, key) in names.items() if not mine[n].is_meta}
+            dcp.load({"model": state}, checkpoint_id=files[0])
         done = set()  # a tied weight, once
         for file in files if kind != "dcp" else []:
             try:
@@ -59,14 +58,14 @@ def load(model, path, log):
 
 def fill(tensor, read):
     """Copy into ``tensor`` what ``read(index)`` gives for its part: a DTensor's local chunk
-    (its offsets in the whole), or all of a plain tensor."""
+    (its offsets in the whole), or all of a plain tensor (none of one on meta)."""
     local = tensor
     index = ()
     if hasattr(tensor, "to_local"):  # a DTensor: this rank's chunk, by its global offsets
         (chunk,) = tensor.__create_chunk_list__()
         index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
         local = tensor.to_local()
-    if local.numel():
+    if local.numel() and not local.is_meta:  # meta: another stage's, not read
         local.copy_(read(index))
 
 

@@ -150,10 +150,25 @@ def checkpoint_model(directory):
     return state["model"]
 
 
+def test_one_rule_finds_the_tied_weights_every_script_keeps_one():
+    """plumbing/parts.py's tied_names, the one finder that FSDP's units, TP's retie, the
+    pipeline's copies and the meta build's to_empty call: each shared weight's names, in the
+    model's order (a Hugging Face Llama's, the GPT's); none in an untied model (BabyCNN)."""
+    from models import GPT, BabyCNN
+    from plumbing.parts import tied_names
+
+    torch.manual_seed(0)
+    assert tied_names(snippet().Net()) == [[EMBEDDING, HEAD]]
+    gpt = GPT()
+    last = len(gpt.blocks) - 1
+    assert tied_names(gpt) == [["blocks.0.tokens.weight", f"blocks.{last}.out.weight"]]
+    assert tied_names(BabyCNN()) == []
+
+
 def test_fsdp_shards_a_tied_weight_in_a_unit_around_both_its_modules():
     """fully_shard on the embedding and on the head made two weights of one: neither is a unit
     now, and the blocks around both hold the tied weight; the decoder layers stay units."""
-    from train_fsdp import shard_units
+    from plumbing.parts import shard_units
 
     torch.manual_seed(0)
     model = snippet().Net()

@@ -4,12 +4,14 @@ is limited to what torch itself needs, measured, plus 0.87 of the model's fp32 b
 TP x2 read a sharded Hugging Face folder and train; the same copy built whole fails. Measured here
 (VmData above torch's 937 MB, model 411 MB): FSDP 305 MB, TP 286 MB, built whole 423 MB."""
 
+import json
+import re
 import sys
 import time
 
 import pytest
 import torch
-from conftest import Run, child_env, succeeded, worker_pids
+from conftest import Run, child_env, mnist_args, python, succeeded, torchrun, worker_pids
 from test_hf_init import WRAPPER, llama_wrapper_copy
 
 # The user's model: a Llama of 103 M parameters (411 MB in fp32; 32 thin layers, so that FSDP's
@@ -110,3 +112,34 @@ def test_fsdp_and_tp_start_from_a_sharded_folder_in_less_memory_than_the_model(t
     whole = Run([*cap, *TWO, "train_fsdp.py", *COMMON], env, project).wait()
     assert whole.returncode != 0, whole.output
     assert "memory" in whole.output.lower(), whole.output
+
+
+def held_and_split(output):
+    """Each rank's parameters once filled (MB, from the script's line) and the stages' blocks."""
+    line = next(x for x in output.splitlines() if x.startswith("each rank's parameters"))
+    held = [float(mb) for mb in line.split(": ")[1].split(" MB")[0].split(", ")]
+    return held, json.loads(re.search(r"blocks (\[\[.*?\]\])", output).group(1))
+
+
+def test_a_pipeline_rank_allocates_only_its_stages_blocks(mnist_dir):
+    """train_pippy.py builds BabyCNN on meta: on 2 ranks each allocates the parameters of its own
+    stage's blocks, to the kilobyte, not the whole model (1.04 and 6.40 MB of 7.44 at width 8);
+    that they are filled as a whole build fills them, tests/test_pippy.py's equivalences hold.
+    The control: one process, one stage, allocates the whole model, measured the same way."""
+    from models import BabyCNN
+
+    with torch.device("meta"):
+        blocks = BabyCNN(width=8).blocks
+    sizes = [sum(p.nbytes for p in block.parameters()) / 1e6 for block in blocks]
+    common = ["--width", "8", "--max-steps", "1", "--no-eval", "--batch-size", "8"]
+    common += ["--microbatches", "2", *mnist_args(mnist_dir)]
+    env = child_env(OMP_NUM_THREADS="1")
+    two = succeeded(torchrun("train_pippy.py", 2, *common, env=env))
+    one = succeeded(python("train_pippy.py", *common, env=env))
+    assert "built on meta, each rank's part filled from the seed" in two.output, two.output
+    held, split = held_and_split(two.output)
+    assert len(split) == 2 and held == pytest.approx(
+        [sum(sizes[b] for b in stage) for stage in split], abs=5e-4
+    ), (held, split, sizes)
+    assert max(held) < 0.9 * sum(sizes), (held, sizes)
+    assert held_and_split(one.output) == (pytest.approx([sum(sizes)], abs=5e-4), [[0, 1, 2, 3]])
