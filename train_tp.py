@@ -239,12 +239,15 @@ def parallelize(model, args, mesh):
     if args.precision == "bf16":  # reduce in fp32; bf16 between units, for the root's own modules
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         root_policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32, torch.float32)  # logits
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
     if is_babycnn(args):  # BabyCNN's split, written out: what a plan's styles do inside
         tensor_parallel(model, mesh["tp"])
     else:  # a transformer: a plan keyed by module names, the form to copy
         tied = parts.tied_names(model)  # before the split gives each module a new parameter
         parallelize_module(model, mesh["tp"], checked(tp_plan, model, args.tp))
         retie(model, tied)
+    for name in frozen:  # torch 2.9's styles make each new parameter trainable (pytorch #171523)
+        model.get_parameter(name).requires_grad_(False)
     units, _ = parts.shard_units(model)  # FSDP's: each layer; tied weights in the root
     for index, (parent, name) in enumerate(units):
         # Backward starts with the last unit: resharding it would only regather.

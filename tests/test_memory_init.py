@@ -70,10 +70,6 @@ def peak_data(run):
 
 
 @pytest.mark.slow  # a 411 MB model saved, four launches
-@pytest.mark.skipif(  # open: TP's backward fails in DTensor's dispatch on 2.9 (2026-11-29)
-    tuple(map(int, torch.__version__.split(".")[:2])) < (2, 10),
-    reason="TP from a Hugging Face folder under a memory limit fails on torch 2.9 (open)",
-)
 def test_fsdp_and_tp_start_from_a_sharded_folder_in_less_memory_than_the_model(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
