@@ -54,7 +54,7 @@ def main():
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed, drop_last=True)
     plan = training.Plan(args, len(sampler), world_size, dataset_name)
     outputs.check(args)  # collective: fails now, not after training
-    if checkpointing := args.checkpoint_dir or args.resume_from:  # opt-in: saved, resumed
+    if checkpointing := args.checkpoint_dir or args.resume_from:  # opt-in: imported only then
         from plumbing import checkpoint_dir
     checkpoints = checkpoint_dir.Checkpoints(args, plan, device) if checkpointing else None
     seed = hash((args.seed, rank))  # for this rank's DataLoader workers
@@ -79,8 +79,8 @@ def main():
     no_sync = ddp_model.no_sync if world_size > 1 else nullcontext
     optimizer = training.make_optimizer(args, model.parameters())
 
-    # ---- resume: from the newest checkpoint, if any (a collective) ----
-    resumed = checkpoints.resume(model, optimizer, log) if checkpoints else START
+    # ---- resume: from the newest checkpoint, if any ----
+    resumed = checkpoints.resume(model, optimizer, log) if checkpoints else START  # collective
     what = f"DDP on {world_size} rank(s)" if world_size > 1 else "one process, no DDP wrapper"
     log(f"{what} ({backend}, {device.type}): {watch.describe(args, plan, param_count, flops)}")
 

@@ -69,7 +69,7 @@ def main():
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed, drop_last=True)
     plan = training.Plan(args, len(sampler), world_size, dataset_name)
     outputs.check(args)  # collective: fails now, not after training
-    if checkpointing := args.checkpoint_dir or args.resume_from:  # opt-in: saved, resumed
+    if checkpointing := args.checkpoint_dir or args.resume_from:  # opt-in: imported only then
         from plumbing import checkpoint_dir
     checkpoints = checkpoint_dir.Checkpoints(args, plan, device) if checkpointing else None
     seed = hash((args.seed, rank))  # for this rank's DataLoader workers
@@ -92,8 +92,8 @@ def main():
     optimizer = training.make_optimizer(args, model.parameters())
     torch.manual_seed(args.seed + rank)  # the weights filled: each rank its own dropout masks
 
-    # ---- resume: from the newest checkpoint, if any (a collective) ----
-    resumed = checkpoints.resume(model, optimizer, log) if checkpoints else START
+    # ---- resume: from the newest checkpoint, if any ----
+    resumed = checkpoints.resume(model, optimizer, log) if checkpoints else START  # collective
     recompute = ", activation checkpointing" if args.activation_checkpointing else ""
     what = f"FSDP ({args.sharding}{recompute}, mesh {tuple(mesh.shape)}, {units})"
     figures = watch.describe(args, plan, param_count, flops)

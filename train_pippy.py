@@ -98,7 +98,7 @@ def main():
     sampler = DistributedSampler(train_set, dp, dp_rank, seed=args.seed, drop_last=True)
     plan = training.Plan(args, len(sampler), dp, dataset_name, "replicas")
     outputs.check(args)  # collective: fails now, not after training
-    if checkpointing := args.checkpoint_dir or args.resume_from:  # opt-in: saved, resumed
+    if checkpointing := args.checkpoint_dir or args.resume_from:  # opt-in: imported only then
         from plumbing import checkpoint_dir
     checkpoints = checkpoint_dir.Checkpoints(args, plan, device) if checkpointing else None
     seed = hash((args.seed, dp_rank))  # for this replica's DataLoader workers
@@ -113,7 +113,7 @@ def main():
     optimizer = training.make_optimizer(args, model.parameters())
     torch.manual_seed(args.seed + rank)  # dropout: no two ranks mask the same blocks and samples
 
-    # ---- resume: from the newest checkpoint, if any (a collective) ----
+    # ---- resume: from the newest checkpoint, if any (collective) ----
     resumed = checkpoints.resume(model, optimizer, log, first_names(tied)) if checkpoints else START
     what = f"pipeline ({args.schedule}, {len(stage_blocks)} stages: blocks {stage_blocks}, "
     what += f"{args.microbatches} microbatches) x {dp} replica(s){chosen}"

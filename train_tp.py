@@ -80,7 +80,7 @@ def main():
     sampler = DistributedSampler(train_set, dp, dp_rank, seed=args.seed, drop_last=True)
     plan = training.Plan(args, len(sampler), dp, dataset_name, "tp groups")
     outputs.check(args)  # collective: fails now, not after training
-    if checkpointing := args.checkpoint_dir or args.resume_from:  # opt-in: saved, resumed
+    if checkpointing := args.checkpoint_dir or args.resume_from:  # opt-in: imported only then
         from plumbing import checkpoint_dir
     checkpoints = checkpoint_dir.Checkpoints(args, plan, device) if checkpointing else None
     seed = hash((args.seed, dp_rank))  # for this group's DataLoader workers
@@ -103,8 +103,8 @@ def main():
     optimizer = training.make_optimizer(args, model.parameters())  # after the split: its parts
     torch.manual_seed(args.seed + rank)  # dropout: no two ranks mask the same positions and samples
 
-    # ---- resume: from the newest checkpoint, if any (a collective) ----
-    resumed = checkpoints.resume(model, optimizer, log) if checkpoints else START
+    # ---- resume: from the newest checkpoint, if any ----
+    resumed = checkpoints.resume(model, optimizer, log) if checkpoints else START  # collective
     what = f"TP {args.tp} x FSDP {dp} (mesh (dp, tp) {tuple(mesh.shape)}) on {world_size} rank(s)"
     figures = watch.describe(args, plan, param_count, flops, "tp group")
     log(f"{what} ({backend}, {device.type}): {figures}; {BUILT[fill]}")
