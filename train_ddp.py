@@ -28,7 +28,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 import models
 from models import data
-from plumbing import checkpoints, failures, training, watch
+from plumbing import failures, outputs, training, watch
+from plumbing.training import START
 from plumbing.watch import log
 
 
@@ -52,8 +53,10 @@ def main():
     # drop_last: no samples repeated to pad the shards
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed, drop_last=True)
     plan = training.Plan(args, len(sampler), world_size, dataset_name)
-    checkpointer = checkpoints.Checkpointer(args, plan, device)
-    checkpointer.check_outputs()  # collective: fails now, not after training
+    outputs.check(args)  # collective: fails now, not after training
+    if checkpointing := args.checkpoint_dir or args.resume_from:  # opt-in: imported only then
+        from plumbing import checkpoint_dir
+    checkpoints = checkpoint_dir.Checkpoints(args, plan, device) if checkpointing else None
     seed = hash((args.seed, rank))  # for this rank's DataLoader workers
     train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
     test_batches = training.Batches(test_set, 512, device, dtype, args.workers)
@@ -61,7 +64,10 @@ def main():
     # ---- model: the same initial weights on every rank, from the seed ----
     torch.manual_seed(args.seed)
     model = models.build(args, train_set, device, dtype)  # --model, for the data
-    if init_from := training.opt_in(args, "init_from"):  # plumbing/init_from.py
+    torch.manual_seed(args.seed + rank)  # then dropout: each rank its own masks, for its samples
+    if args.init_from:
+        from plumbing import init_from
+
         init_from.load(model, args.init_from, log)  # collective
     param_count = sum(p.numel() for p in model.parameters())
     training.check_data_fits(model, train_batches, test_batches)  # bad data: one line, now
@@ -74,7 +80,7 @@ def main():
     optimizer = training.make_optimizer(args, model.parameters())
 
     # ---- resume: from the newest checkpoint, if any ----
-    resumed = checkpointer.resume(model, optimizer, log)  # collective
+    resumed = checkpoints.resume(model, optimizer, log) if checkpoints else START  # collective
     what = f"DDP on {world_size} rank(s)" if world_size > 1 else "one process, no DDP wrapper"
     log(f"{what} ({backend}, {device.type}): {watch.describe(args, plan, param_count, flops)}")
 
@@ -115,15 +121,15 @@ def main():
                 window_loss = torch.stack(window).sum()
                 dist.all_reduce(window_loss)
                 mean_loss = window_loss.item() / (len(window) * world_size)
-                checkpointer.refuse_divergence(progress.step, mean_loss)
+                outputs.refuse_divergence(progress.step, mean_loss, checkpoints)
                 progress.record_loss(mean_loss, "loss (all ranks)", lr, norm)
                 window.clear()
             progress.after_step()  # --profile-steps
-            if checkpointer.is_due(progress.step, now=stop_signal):
+            if checkpoints and checkpoints.is_due(progress.step, now=stop_signal):
                 for buffer in model.buffers():  # rank 0's statistics are saved
                     dist.broadcast(buffer, src=0)
                 # collective; refuses what is not finite
-                checkpointer.save(progress.step, epoch, step_in_epoch + 1, model, optimizer, window)
+                checkpoints.save(progress.step, epoch, step_in_epoch + 1, model, optimizer, window)
             if stop_signal and progress.step < plan.total_steps:  # the last step just ends
                 raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
 
@@ -135,13 +141,14 @@ def main():
 
     # ---- save: rank 0 writes the plain model's weights (no "module.") ----
     if args.save:
-        checkpoints.save_on_rank_0(model.state_dict(), args.save)  # collective
+        outputs.save_on_rank_0(model.state_dict(), args.save)  # collective
         log(f"saved the weights to {args.save}")
     if hasattr(train_set, "vocabulary") and failures.is_rank_0():  # text: a sample
         log(models.sample(model, model.state_dict(), train_set.vocabulary))  # the replica is whole
-    if metrics := training.opt_in(args, "metrics"):  # plumbing/metrics.py
+    if args.metrics:  # collective: rank 0 gathers each rank's memory
+        from plumbing import metrics
+
         run = {"strategy": "ddp"}
-        # collective: rank 0 gathers each rank's memory
         metrics.write(args, plan, progress, model, optimizer, flops, param_count, **run)
 
 

@@ -37,7 +37,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 import models
 from models import data
-from plumbing import checkpoints, failures, parts, training, watch
+from plumbing import failures, outputs, parts, training, watch
+from plumbing.training import START
 from plumbing.watch import log
 
 
@@ -63,8 +64,10 @@ def main():
     # drop_last: no samples repeated to pad the shards
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed, drop_last=True)
     plan = training.Plan(args, len(sampler), world_size, dataset_name)
-    checkpointer = checkpoints.Checkpointer(args, plan, device)
-    checkpointer.check_outputs()  # collective: fails now, not after training
+    outputs.check(args)  # collective: fails now, not after training
+    if checkpointing := args.checkpoint_dir or args.resume_from:  # opt-in: imported only then
+        from plumbing import checkpoint_dir
+    checkpoints = checkpoint_dir.Checkpoints(args, plan, device) if checkpointing else None
     seed = hash((args.seed, rank))  # for this rank's DataLoader workers
     train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
     test_batches = training.Batches(test_set, 512, device, dtype, args.workers)
@@ -83,9 +86,10 @@ def main():
     units = shard(model, args, mesh)  # in words, for the start line
     parts.materialize(model, device, args, fill, log)  # collective: each rank fills its part
     optimizer = training.make_optimizer(args, model.parameters())
+    torch.manual_seed(args.seed + rank)  # the weights filled: each rank its own dropout masks
 
     # ---- resume: from the newest checkpoint, if any ----
-    resumed = checkpointer.resume(model, optimizer, log)  # collective
+    resumed = checkpoints.resume(model, optimizer, log) if checkpoints else START  # collective
     recompute = ", activation checkpointing" if args.activation_checkpointing else ""
     what = f"FSDP ({args.sharding}{recompute}, mesh {tuple(mesh.shape)}, {units})"
     figures = f"{watch.describe(args, plan, param_count, flops)}; {parts.BUILT[fill]}"
@@ -128,15 +132,15 @@ def main():
                 window_loss = torch.stack(window).sum()
                 dist.all_reduce(window_loss)
                 mean_loss = window_loss.item() / (len(window) * world_size)
-                checkpointer.refuse_divergence(progress.step, mean_loss)
+                outputs.refuse_divergence(progress.step, mean_loss, checkpoints)
                 progress.record_loss(mean_loss, "loss (all ranks)", lr, norm)
                 window.clear()
             progress.after_step()  # --profile-steps
-            if checkpointer.is_due(progress.step, now=stop_signal):
+            if checkpoints and checkpoints.is_due(progress.step, now=stop_signal):
                 for buffer in model.buffers():  # rank 0's statistics are saved
                     dist.broadcast(buffer, src=0)
                 # collective; refuses what is not finite
-                checkpointer.save(progress.step, epoch, step_in_epoch + 1, model, optimizer, window)
+                checkpoints.save(progress.step, epoch, step_in_epoch + 1, model, optimizer, window)
             if stop_signal and progress.step < plan.total_steps:  # the last step just ends
                 raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
 
@@ -149,14 +153,15 @@ def main():
     # ---- save: rank 0 gathers every rank's shards and writes ----
     if args.save:
         full_state = gather_full_state_dict(model)  # collective
-        checkpoints.save_on_rank_0(full_state, args.save)  # collective
+        outputs.save_on_rank_0(full_state, args.save)  # collective
         log(f"saved the weights to {args.save}")
     if hasattr(train_set, "vocabulary"):  # text: rank 0 prints a sample
         log(models.sample(model, gather_full_state_dict(model), train_set.vocabulary))  # collective
-    if metrics := training.opt_in(args, "metrics"):  # plumbing/metrics.py
+    if args.metrics:  # collective: rank 0 gathers each rank's memory
+        from plumbing import metrics
+
         run = {"strategy": "fsdp", "sharding": args.sharding, "mesh": list(mesh.shape)}
         run |= {"activation_checkpointing": args.activation_checkpointing}
-        # collective: rank 0 gathers each rank's memory
         metrics.write(args, plan, progress, model, optimizer, flops, param_count, **run)
     # Let go of the mesh, which torch 2.14's DTensor caches keep (private; not in 2.9):
     # else gloo's threads live into shutdown, where they may abort.

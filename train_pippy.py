@@ -45,7 +45,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import models
 from models import data
-from plumbing import checkpoints, failures, parts, training, watch
+from plumbing import failures, outputs, parts, training, watch
+from plumbing.training import START
 from plumbing.watch import log
 
 # name: (schedule class, stages per rank it runs)
@@ -73,7 +74,7 @@ def main():
     found = data.find(args.dataset, args.data_dir, download=not args.no_download, model=args.model)
     backend = dist.get_default_backend_for_device(device)  # NCCL or gloo
     dist.init_process_group(backend, **failures.process_group_options(device))
-    world_size = dist.get_world_size()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     dtype, autocast = training.dtype_of(args), training.autocast(args, device)
 
     # ---- data: the same data set on every rank ----
@@ -95,8 +96,10 @@ def main():
     # Every stage of replica d walks shard d; drop_last: no samples repeated to pad
     sampler = DistributedSampler(train_set, dp, dp_rank, seed=args.seed, drop_last=True)
     plan = training.Plan(args, len(sampler), dp, dataset_name, "replicas")
-    checkpointer = checkpoints.Checkpointer(args, plan, device)
-    checkpointer.check_outputs()  # collective: fails now, not after training
+    outputs.check(args)  # collective: fails now, not after training
+    if checkpointing := args.checkpoint_dir or args.resume_from:  # opt-in: imported only then
+        from plumbing import checkpoint_dir
+    checkpoints = checkpoint_dir.Checkpoints(args, plan, device) if checkpointing else None
     seed = hash((args.seed, dp_rank))  # for this replica's DataLoader workers
     train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
     training.check_data_fits(model, train_batches, test_batches)  # bad data: one line, now
@@ -107,9 +110,10 @@ def main():
     stages, stage_blocks, tied = build_stages(model, args, sample, mesh, fill, autocast)
     schedule = make_schedule(stages, args, dtype)
     optimizer = training.make_optimizer(args, model.parameters())
+    torch.manual_seed(args.seed + rank)  # dropout: no two ranks mask the same blocks and samples
 
-    # ---- resume: from the newest checkpoint, if any ----
-    resumed = checkpointer.resume(model, optimizer, log, first_names(tied))  # collective
+    # ---- resume: from the newest checkpoint, if any (collective) ----
+    resumed = checkpoints.resume(model, optimizer, log, first_names(tied)) if checkpoints else START
     what = f"pipeline ({args.schedule}, {len(stage_blocks)} stages: blocks {stage_blocks}, "
     what += f"{args.microbatches} microbatches) x {dp} replica(s){chosen} on {world_size} rank(s)"
     figures = watch.describe(args, plan, param_count, flops, "replica")
@@ -149,15 +153,15 @@ def main():
                 window_loss = torch.stack(window).sum()
                 dist.all_reduce(window_loss)
                 mean_loss = window_loss.item() / (len(window) * dp)
-                checkpointer.refuse_divergence(progress.step, mean_loss)
+                outputs.refuse_divergence(progress.step, mean_loss, checkpoints)
                 progress.record_loss(mean_loss, "loss (last stage)", lr, norm)
                 window.clear()
             progress.after_step()  # --profile-steps
-            if checkpointer.is_due(progress.step, now=stop_signal):
+            if checkpoints and checkpoints.is_due(progress.step, now=stop_signal):
                 for buffer in model.buffers():  # replica 0's statistics are saved
                     dist.broadcast(buffer, group=mesh.get_group("dp"), group_src=0)
                 # collective; refuses what is not finite
-                checkpointer.save(progress.step, epoch, step_in_epoch + 1, model, optimizer, window)
+                checkpoints.save(progress.step, epoch, step_in_epoch + 1, model, optimizer, window)
             if stop_signal and progress.step < plan.total_steps:  # the last step just ends
                 raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
 
@@ -170,16 +174,16 @@ def main():
     # ---- save: rank 0 gathers replica 0's stages and writes ----
     if args.save:
         full_state = gather_state_dict(model, mesh, tied)  # collective
-        checkpoints.save_on_rank_0(full_state, args.save)  # collective
+        outputs.save_on_rank_0(full_state, args.save)  # collective
         log(f"saved the weights to {args.save}")
     if hasattr(train_set, "vocabulary"):  # text: rank 0 prints a sample (a collective gather)
         log(models.sample(model, gather_state_dict(model, mesh, tied), train_set.vocabulary))
-    if metrics := training.opt_in(args, "metrics"):  # plumbing/metrics.py
+    if args.metrics:  # collective: rank 0 gathers each rank's memory
+        from plumbing import metrics
+
         run = {"strategy": "pipeline", "schedule": args.schedule, "stages": len(stage_blocks)}
         run |= {"microbatches": args.microbatches, "data_parallel": args.data_parallel}
-        here = [stage.stage_index for stage in stages]  # this rank's stages
-        run["rank_info"] = {"stages": here, "blocks": [stage_blocks[i] for i in here]}
-        # collective: rank 0 gathers each rank's memory
+        run["rank_info"] = rank_info(stages, stage_blocks)
         metrics.write(args, plan, progress, model, optimizer, flops, param_count, **run)
 
 
@@ -437,6 +441,11 @@ def tied_weights(model, stage_blocks, stage_indices):
             copy = p if stages & mine else None
             found.append(TiedWeight(names, p.detach().to("meta"), copy, min(stages) in mine))
     return found
+
+
+def rank_info(stages, stage_blocks):  # --metrics': this rank's stages and their blocks
+    here = [stage.stage_index for stage in stages]
+    return {"stages": here, "blocks": [stage_blocks[i] for i in here]}
 
 
 def first_names(tied):

@@ -47,7 +47,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 import models
 from models import data
-from plumbing import checkpoints, failures, parts, training, watch
+from plumbing import failures, outputs, parts, training, watch
+from plumbing.training import START
 from plumbing.watch import log
 
 # A query, key and value in one Linear: GPT-2's c_attn, qkv_proj, query_key_value, in_proj
@@ -66,7 +67,7 @@ def main():
     found = data.find(args.dataset, args.data_dir, download=not args.no_download, model=args.model)
     backend = dist.get_default_backend_for_device(device)  # NCCL or gloo
     dist.init_process_group(backend, **failures.process_group_options(device))
-    world_size = dist.get_world_size()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     dtype = training.dtype_of(args)  # bf16: MixedPrecisionPolicy
     check_flags(args, world_size)
     mesh = make_mesh(args, device, world_size)  # (dp, tp)
@@ -77,8 +78,10 @@ def main():
     # A share per tp group: its ranks see the same batch; drop_last: none repeated
     sampler = DistributedSampler(train_set, dp, dp_rank, seed=args.seed, drop_last=True)
     plan = training.Plan(args, len(sampler), dp, dataset_name, "tp groups")
-    checkpointer = checkpoints.Checkpointer(args, plan, device)
-    checkpointer.check_outputs()  # collective: fails now, not after training
+    outputs.check(args)  # collective: fails now, not after training
+    if checkpointing := args.checkpoint_dir or args.resume_from:  # opt-in: imported only then
+        from plumbing import checkpoint_dir
+    checkpoints = checkpoint_dir.Checkpoints(args, plan, device) if checkpointing else None
     seed = hash((args.seed, dp_rank))  # for this group's DataLoader workers
     train_batches = training.Batches(train_set, args.batch_size, device, dtype, args.workers, seed)
     test_batches = training.Batches(test_set, 512, device, dtype, args.workers)
@@ -97,9 +100,10 @@ def main():
     parallelize(model, args, mesh)
     parts.materialize(model, device, args, fill, log)  # collective: each rank fills its part
     optimizer = training.make_optimizer(args, model.parameters())  # after the split: its parts
+    torch.manual_seed(args.seed + rank)  # dropout: no two ranks mask the same positions and samples
 
     # ---- resume: from the newest checkpoint, if any ----
-    resumed = checkpointer.resume(model, optimizer, log)  # collective
+    resumed = checkpoints.resume(model, optimizer, log) if checkpoints else START  # collective
     what = f"TP {args.tp} x FSDP {dp} (mesh (dp, tp) {tuple(mesh.shape)}) on {world_size} rank(s)"
     figures = watch.describe(args, plan, param_count, flops, "tp group")
     log(f"{what} ({backend}, {device.type}): {figures}; {parts.BUILT[fill]}")
@@ -142,15 +146,15 @@ def main():
                 window_loss = torch.stack(window).sum()
                 dist.all_reduce(window_loss)
                 mean_loss = window_loss.item() / (len(window) * world_size)
-                checkpointer.refuse_divergence(progress.step, mean_loss)
+                outputs.refuse_divergence(progress.step, mean_loss, checkpoints)
                 progress.record_loss(mean_loss, "loss (all ranks)", lr, norm)
                 window.clear()
             progress.after_step()  # --profile-steps
-            if checkpointer.is_due(progress.step, now=stop_signal):
+            if checkpoints and checkpoints.is_due(progress.step, now=stop_signal):
                 for buffer in model.buffers():  # rank 0's statistics are saved
                     dist.broadcast(buffer, src=0)
                 # collective; refuses what is not finite
-                checkpointer.save(progress.step, epoch, step_in_epoch + 1, model, optimizer, window)
+                checkpoints.save(progress.step, epoch, step_in_epoch + 1, model, optimizer, window)
             if stop_signal and progress.step < plan.total_steps:  # the last step just ends
                 raise stop.stopped(progress.step, plan.total_steps, args.checkpoint_dir)
 
@@ -163,13 +167,14 @@ def main():
     # ---- save: rank 0 gathers every rank's shards and writes ----
     if args.save:
         full_state = gather_full_state_dict(model)  # collective
-        checkpoints.save_on_rank_0(full_state, args.save)  # collective
+        outputs.save_on_rank_0(full_state, args.save)  # collective
         log(f"saved the weights to {args.save}")
     if hasattr(train_set, "vocabulary"):  # text: rank 0 prints a sample
         log(models.sample(model, gather_full_state_dict(model), train_set.vocabulary))  # collective
-    if metrics := training.opt_in(args, "metrics"):  # plumbing/metrics.py
+    if args.metrics:  # collective: rank 0 gathers each rank's memory
+        from plumbing import metrics
+
         run = {"strategy": "tp", "tp": args.tp, "mesh": list(mesh.shape)}
-        # collective: rank 0 gathers each rank's memory
         metrics.write(args, plan, progress, model, optimizer, flops, param_count, **run)
     # Let go of the mesh, which torch 2.14's DTensor caches keep (private; not in 2.9):
     # else gloo's threads live into shutdown, where they may abort.

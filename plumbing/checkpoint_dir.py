@@ -1,6 +1,7 @@
 """--checkpoint-dir DIR: checkpoints every --checkpoint-every steps, at a stop and at the end, and
-the newest intact one resumed (opt-in: imported only when the flag, or --resume-from, is given, so
-a copy without this file refuses them in one line)."""
+the newest intact one resumed; --resume-from STEP: resume from step-<N> or a path, not the newest
+(opt-in: imported only when either flag is given, so a copy without this file refuses them in one
+line)."""
 
 import errno
 import hashlib
@@ -19,8 +20,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils._pytree import tree_leaves
 
-from plumbing import training
-from plumbing.checkpoints import cannot_write, diverged, save_json
 from plumbing.failures import (
     INPUT_ERRNOS,
     USER_ERRNOS,
@@ -29,6 +28,8 @@ from plumbing.failures import (
     on_rank_0,
     transient,
 )
+from plumbing.outputs import cannot_write, diverged, save_json
+from plumbing.training import START
 
 FORMAT = 4  # of checkpoint.json: 4 holds the peak lr
 HISTORY = "history.json"  # in --checkpoint-dir: the checkpoints pruned and those set aside
@@ -202,7 +203,7 @@ class Checkpoints:
         self._check_shared()  # collective
         found = self._newest_intact(log)  # collective
         if found is None:
-            return {"step": 0, "epoch": 0, "samples_into_epoch": 0}
+            return START
         path, info = found
         # Not before: get_state_dict steps a fresh optimizer.
         model_state, optimizer_state = _fresh_state_dicts(model, optimizer)
@@ -262,8 +263,54 @@ class Checkpoints:
         """Collective: (path, checkpoint.json) or None; --resume-from's, if given."""
         found = self._newest_in_directory(log)
         self.branch = found[1].get("branch") if found else None  # its checkpoints keep it
-        resume_from = training.opt_in(self.args, "resume_from")
-        return resume_from.choose(self, found, log) if resume_from else found
+        return self._resume_from(found, log) if self.args.resume_from else found
+
+    def _resume_from(self, found, log):
+        """Collective: --resume-from's checkpoint (path, checkpoint.json), or ``found`` (the
+        newest in --checkpoint-dir) when it descends from the chosen one: a requeue goes on, not
+        back. The checkpoints newer than the chosen one move aside, never resumed from again,
+        never deleted."""
+        chosen = self.args.resume_from
+        if found and found[1].get("branch") == chosen:  # a requeue or a restart
+            log(f"--resume-from {chosen} was applied before: its branch goes on from {found[0]}")
+            return found
+        path = chosen if os.sep in chosen else os.path.join(self.directory or ".", chosen)
+
+        def there():  # on rank 0
+            if not os.path.isdir(path):
+                raise UsageError(self._not_found(chosen, path))
+
+        on_rank_0(there, f"finding --resume-from {chosen}")
+        info, problem = self.intact(path)  # collective; a read error raises
+        if problem:
+            raise UsageError(f"--resume-from {chosen} is not an intact checkpoint ({problem})")
+        on_rank_0(
+            lambda: self._set_aside_newer(chosen, info["step"], log), "moving newer ones aside"
+        )
+        self.branch = chosen
+        return path, info
+
+    def _set_aside_newer(self, chosen, step, log):  # on rank 0
+        newer = [name for name in self.complete() if int(name[5:]) > step]
+        for name in newer:
+            aside = unused_path(os.path.join(self.directory, "abandoned-" + name))
+            os.replace(os.path.join(self.directory, name), aside)
+        if newer:
+            moved = ", ".join(newer)
+            log(f"--resume-from {chosen}: the newer {moved} moved aside to abandoned-step-<N>")
+
+    def _not_found(self, chosen, path):
+        """The line for a ``path`` that is not there: the checkpoints that are, and, if the folder
+        records it, that --keep-checkpoints pruned it."""
+        folder, name = os.path.split(os.path.normpath(path))
+        found = complete(folder or ".")
+        line = f"--resume-from {chosen}: no such checkpoint; {folder or '.'} holds "
+        line += f"{', '.join(found)}: resume from one of those" if found else "none"
+        if name in history(folder or ".").get("pruned", {}):
+            keep = self.args.keep_checkpoints
+            line += f" ({name} was pruned: --keep-checkpoints {keep} keeps the newest {keep}; "
+            line += "raise it to keep more)"
+        return line
 
     def intact(self, path):
         """Collective: (checkpoint.json, None) if every file of ``path`` is whole and matches its
@@ -334,6 +381,19 @@ def from_every_rank(value):
 
 def _names(folder):
     return os.listdir(folder) if folder and os.path.isdir(folder) else []
+
+
+def newest(directory):
+    """``directory`` if it is a checkpoint (it has checkpoint.json), else its newest step-<N>."""
+    if not os.path.isdir(directory):
+        raise UsageError(f"{directory} is not a directory: give a step-<N> or a --checkpoint-dir")
+    if os.path.exists(os.path.join(directory, "checkpoint.json")):
+        return directory
+    if not (steps := complete(directory)):
+        raise UsageError(
+            f"{directory} is not a checkpoint: it has no checkpoint.json and no step-<N>"
+        )
+    return os.path.join(directory, steps[-1])
 
 
 def complete(folder):

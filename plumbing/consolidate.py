@@ -27,32 +27,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from plumbing.checkpoints import write_atomically
 from plumbing.failures import UsageError
+from plumbing.outputs import write_atomically
 
-PREFIX = "model."  # Checkpointer.save's {"model": ..., "optimizer": ..., "rng": ...}
-
-
-def newest(directory):
-    """``directory`` if it is a checkpoint (it has checkpoint.json), else its newest step-<N>."""
-    if not os.path.isdir(directory):
-        raise UsageError(f"{directory} is not a directory: give a step-<N> or a --checkpoint-dir")
-    if os.path.exists(os.path.join(directory, "checkpoint.json")):
-        return directory
-    from plumbing.checkpoint_dir import complete  # checkpoints: with checkpoint_dir.py
-
-    if not (steps := complete(directory)):
-        raise UsageError(
-            f"{directory} is not a checkpoint: it has no checkpoint.json and no step-<N>"
-        )
-    return os.path.join(directory, steps[-1])
+PREFIX = "model."  # Checkpoints.save's {"model": ..., "optimizer": ..., "rng": ...}
 
 
 def consolidate(directory, out):
-    """Write the model of ``directory`` (see newest) to ``out``; return a line that says what."""
+    """Write the model of ``directory`` (see checkpoint_dir.newest) to ``out``; return a line that
+    says what."""
     path, info, tensors = consolidated(directory)
     # As --save, not by save_on_rank_0: its finite check holds temporaries up to 3 x the largest
-    # tensor, and Checkpointer.save saved finite ones.
+    # tensor, and Checkpoints.save saved finite ones.
     size = sum(t.nbytes for t in tensors.values())
     write_atomically(out, lambda file: torch.save(tensors, file), size)
     return (
@@ -63,8 +49,8 @@ def consolidate(directory, out):
 
 def consolidated(directory):
     """(the checkpoint, its checkpoint.json, its model's tensors by name) of ``directory`` (see
-    newest), once its SHA-256s are checked."""
-    from plumbing.checkpoint_dir import verify
+    checkpoint_dir.newest), once its SHA-256s are checked."""
+    from plumbing.checkpoint_dir import newest, verify
 
     path = newest(directory)
     info, problem = verify(path)  # each file's size and SHA-256

@@ -191,7 +191,7 @@ def listing(path):
             return listing(os.path.join(path, INDEX))
         if os.path.exists(os.path.join(path, SINGLE)):
             return listing(os.path.join(path, SINGLE))
-        from plumbing.consolidate import newest  # a checkpoint, or its newest step
+        from plumbing.checkpoint_dir import newest  # a checkpoint, or its newest step
 
         try:
             checkpoint = newest(path)

@@ -6,8 +6,7 @@ import csv
 import io
 import os
 
-from plumbing.checkpoints import write_atomically
-from plumbing.watch import log
+from plumbing.outputs import write_atomically
 
 
 class MetricsLog:
@@ -17,7 +16,7 @@ class MetricsLog:
     FIELDS = ["step", "epoch", "train_loss", "lr", "grad_norm", "samples_per_second"]
     FIELDS += ["test_loss", "test_accuracy"]
 
-    def __init__(self, directory, start_step):
+    def __init__(self, directory, start_step, log):  # log: rank 0's lines (watch.log)
         self.path = os.path.join(directory, "metrics.csv")
         rows = []
         if os.path.exists(self.path):  # a resumed run's

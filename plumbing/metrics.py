@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from plumbing.checkpoints import save_json
 from plumbing.failures import is_rank_0
+from plumbing.outputs import save_json
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, SXM data sheets
 

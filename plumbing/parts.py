@@ -11,8 +11,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from plumbing import training
-
 BUILT = {  # the start line's words on how the model was built
     None: "built whole: your model has no reset_parameters() to fill a part (docs/fsdp.md)",
     "seed": "built on meta, each rank's part filled from the seed",
@@ -96,8 +94,10 @@ def materialize(model, device, args, fill, log, holds=None):
             for name in [n for n in names if model.get_parameter(n) is not weight]:
                 module, _, attribute = name.rpartition(".")
                 setattr(model.get_submodule(module), attribute, weight)
-    if fill == "init_from":  # plumbing/init_from.py; what stays on meta is not read
-        training.opt_in(args, "init_from").load(model, args.init_from, log)  # collective
+    if fill == "init_from":  # what stays on meta is not read
+        from plumbing import init_from
+
+        init_from.load(model, args.init_from, log)  # collective
     elif fill:  # bitwise the values of a whole build: each parameter drawn whole, its part kept
         torch.manual_seed(args.seed)
         with torch.no_grad(), Parts():

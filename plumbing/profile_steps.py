@@ -7,14 +7,13 @@ import torch
 import torch.distributed as dist
 
 from plumbing.failures import UsageError
-from plumbing.watch import log
 
 
 class Profiler:
     """Starts after step A - 1 and writes trace-rank<N>.json after step B (watch.Progress calls
     ``after_step`` once each step's collectives are done); on a GPU, the memory timeline too."""
 
-    def __init__(self, args, device, start_step, total_steps):
+    def __init__(self, args, device, start_step, total_steps, log):  # log: watch.log
         self.first, self.last = args.profile_steps
         if not (args.log_dir and self.last <= total_steps):
             raise UsageError(

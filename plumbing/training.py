@@ -1,7 +1,7 @@
 """Training arithmetic and flags: shared flags, the step plan and lr, batches, evaluation."""
 
 import argparse
-import importlib
+import importlib.util
 import math
 import os
 from contextlib import nullcontext
@@ -13,15 +13,11 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from plumbing.failures import NodeError, UsageError, input_error
 
-# Features a default run does not use, each in plumbing/<flag>.py and imported only when its flag is
-# given (nanoGPT's `if wandb_log: import wandb`): a copy carries only the files it uses.
-OPT_IN = ["checkpoint_dir", "resume_from", "init_from", "log_dir", "profile_steps", "metrics"]
-OPT_IN += ["deterministic"]
-
-
-def opt_in(args, flag):
-    """The module plumbing/<flag>.py if --<flag> is given, else None."""
-    return importlib.import_module(f"plumbing.{flag}") if getattr(args, flag) else None
+# Features a default run does not use, each a file of plumbing/ imported where its flag is used
+# (nanoGPT's `if wandb_log: import wandb`): a copy carries only the files it uses. {dest: file}
+OPT_IN = {f: f for f in ["checkpoint_dir", "init_from", "log_dir", "profile_steps", "metrics"]}
+OPT_IN |= {"resume_from": "checkpoint_dir", "deterministic": "deterministic"}
+START = {"step": 0, "epoch": 0, "samples_into_epoch": 0}  # of a run that resumes nothing
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,15 +31,11 @@ class _Parser(argparse.ArgumentParser):
             vars(namespace).update(defaults.get(getattr(first, flag), {}))  # a flag given wins
         namespace, rest = super().parse_known_args(args, namespace)
         for flag in [f for f in OPT_IN if getattr(namespace, f, None)]:  # a copy may lack its file
-            try:  # and the files it imports (resume_from.py: checkpoint_dir.py)
-                importlib.import_module(f"plumbing.{flag}")
-            except ModuleNotFoundError as error:
-                if not (error.name or "").startswith("plumbing."):
-                    raise
+            if importlib.util.find_spec(f"plumbing.{OPT_IN[flag]}") is None:  # now, not later
                 raise UsageError(
-                    f"--{flag.replace('_', '-')} needs {error.name.replace('.', '/')}.py, which "
+                    f"--{flag.replace('_', '-')} needs plumbing/{OPT_IN[flag]}.py, which "
                     "this copy lacks: copy that file from the project into your plumbing/"
-                ) from None
+                )
         return namespace, rest
 
 
@@ -97,7 +89,7 @@ def parser(description, *more):
     add("--precision", choices=("fp32", "bf16", "fp64"), default="fp32", help="bf16: autocast")
     add("--compile", action="store_true", help="torch.compile the model (DDP) or each block (FSDP)")
     add("--deterministic", action="store_true", help="bitwise reruns on a GPU (cost: unmeasured)")
-    add("--seed", type=int, default=0, help="same initial weights and data order on every rank")
+    add("--seed", type=int, default=0, help="initial weights, data order; + rank: dropout masks")
     add("--workers", type=number(int, 0), default=0, help="DataLoader processes per rank")
     add("--log-every", type=number(int, 1), default=20, help="steps between all-reduced losses")
     add("--no-eval", action="store_true", help="skip the test-set evaluation after each epoch")
@@ -179,7 +171,9 @@ def make_optimizer(args, parameters):
 def pick_device(args, local_rank):
     """--device: this rank's accelerator (LOCAL_RANK) or the CPU, with --deterministic's kernels
     if given; one line if too few."""
-    if deterministic := opt_in(args, "deterministic"):  # before any kernel runs
+    if args.deterministic:  # before any kernel runs
+        from plumbing import deterministic
+
         deterministic.enable()
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     flag = args.device

@@ -8,7 +8,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
-from plumbing import training
 from plumbing.failures import is_rank_0
 
 
@@ -37,10 +36,14 @@ class Progress:
         options = dict(unit="step", file=sys.stdout, dynamic_ncols=True, disable=not shown)
         self.bar = tqdm(total=self.total_steps, initial=start_step, **options)
         self.rows = self.profiler = None  # opt-in: --log-dir's, --profile-steps'
-        if (log_dir := training.opt_in(args, "log_dir")) and is_rank_0():
-            self.rows = log_dir.MetricsLog(args.log_dir, start_step)
-        if profile_steps := training.opt_in(args, "profile_steps"):
-            self.profiler = profile_steps.Profiler(args, device, start_step, self.total_steps)
+        if args.log_dir and is_rank_0():
+            from plumbing import log_dir
+
+            self.rows = log_dir.MetricsLog(args.log_dir, start_step, log)
+        if args.profile_steps:
+            from plumbing import profile_steps
+
+            self.profiler = profile_steps.Profiler(args, device, start_step, self.total_steps, log)
 
     def start_epoch(self, epoch):  # the clock restarts: epochs end at logging steps
         self.epoch = epoch

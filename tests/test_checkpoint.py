@@ -209,14 +209,19 @@ def test_every_rank_saves_the_random_state_of_each_generator_it_uses(uninterrupt
     assert {key for key in saved if key.startswith("rng.")} == {"rng.rank0.cpu", "rng.rank1.cpu"}
 
 
-def test_each_rank_draws_from_a_generator_seeded_its_own_way(uninterrupted, tmp_path):
+@pytest.mark.parametrize(
+    "name", ["ddp", "fsdp", *(pytest.param(n, marks=pytest.mark.slow) for n in ("pippy", "tp"))]
+)
+def test_each_rank_draws_from_a_generator_seeded_its_own_way(name, uninterrupted, tmp_path):
     """Issue 53: every rank seeded the same generator and never reseeded, so dropout drew the same
     masks on every rank, for different samples. Once the model is built (from --seed, the same
-    everywhere), rank r's generator is seeded with --seed + r, as nanoGPT's: BabyCNN draws nothing
-    from it, so each rank's saved state is exactly that seed's, and the two differ."""
+    everywhere; FSDP's and TP's filled from it), rank r's generator is seeded with --seed + r, as
+    nanoGPT's (issue 64: in each script, where it builds the model): BabyCNN draws nothing from
+    it, so each rank's saved state is exactly that seed's, and the two differ (the pipeline's
+    stages, TP's ranks of a group too)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(uninterrupted("ddp") / "ck" / "step-40", tmp_path / "step-40.pt")
+    dcp_to_torch_save(uninterrupted(name) / "ck" / "step-40", tmp_path / "step-40.pt")
     rng = torch.load(tmp_path / "step-40.pt", weights_only=True)["rng"]
     for rank in (0, 1):  # --seed 0, the default
         expected = torch.Generator().manual_seed(rank).get_state()

@@ -194,7 +194,7 @@ def test_run_pippy_sh_on_8_ranks_trains_4_stages_x_2_replicas(mnist_dir, tmp_pat
 
 # ---- the optimizer's states come back on every resume ----
 RESUME = """import sys, torch, torch.distributed as dist
-from plumbing import checkpoints, failures, training
+from plumbing import checkpoint_dir, failures, training
 
 def main():
     dist.init_process_group("gloo")
@@ -203,7 +203,7 @@ def main():
     torch.manual_seed(0)
     model, x = torch.nn.Linear(8, 4), torch.randn(16, 8)
     optimizer = training.make_optimizer(args, model.parameters())
-    checkpointer = checkpoints.Checkpointer(args, plan, torch.device("cpu"))
+    checkpointer = checkpoint_dir.Checkpoints(args, plan, torch.device("cpu"))
     if sys.argv[2] == "train":  # 2 steps, the second saved
         for step in (1, 2):
             model(x * step).square().mean().backward()

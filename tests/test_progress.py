@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import ROOT, launcher_env, mnist_args
 
-from plumbing import failures, log_dir, profile_steps, training
+from plumbing import failures, log_dir, profile_steps, training, watch
 
 RUN = [
     "--epochs",
@@ -140,7 +140,7 @@ def test_without_tensorboard_the_log_dir_says_so_once_and_writes_the_csv(
     monkeypatch.setitem(
         sys.modules, "torch.utils.tensorboard", None
     )  # as where it is not installed: import fails
-    rows = log_dir.MetricsLog(str(tmp_path), 0)
+    rows = log_dir.MetricsLog(str(tmp_path), 0, watch.log)
     rows.write(step=10, epoch=1, train_loss=0.5, lr=0.1, grad_norm=None, samples_per_second=100.0)
     assert capsys.readouterr().out == (
         f"--log-dir: writing {tmp_path}/metrics.csv; no TensorBoard events (pip install "
@@ -175,4 +175,5 @@ def test_profile_steps_that_cannot_be_profiled_are_refused_in_one_line(flags, er
     # UsageErrors: one line and exit code 2 from every launch (tests/test_bad_input.py shows the
     # path)
     with pytest.raises(failures.UsageError, match=re.escape(error)):
-        profile_steps.Profiler(training.parser("").parse_args(flags), torch.device("cpu"), 0, 100)
+        args = training.parser("").parse_args(flags)
+        profile_steps.Profiler(args, torch.device("cpu"), 0, 100, watch.log)
