@@ -275,7 +275,7 @@ def test_watch_overhead_reports_both_runs_and_the_host_cost_and_the_plot_reads_t
     run = Run(
         [
             sys.executable,
-            ROOT / "benchmarks" / "watch_overhead.py",
+            ROOT / "docs" / "watch_overhead.py",
             "--pairs",
             "1",
             "--steps",
@@ -313,7 +313,7 @@ def test_gpt_time_to_loss_times_the_launch_to_each_evaluation(tmp_path):
     results = {}
     for target in (4.0, 1.9):
         out = tmp_path / f"{target}.json"
-        command = [sys.executable, ROOT / "benchmarks" / "gpt_time_to_loss.py", "--out", out]
+        command = [sys.executable, ROOT / "docs" / "gpt_time_to_loss.py", "--out", out]
         run = Run([*command, "--target", target, *flags]).wait(timeout=600)
         assert run.returncode == 0, run.output[-3000:]
         assert f"wrote {out}" in run.output

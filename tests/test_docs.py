@@ -2,7 +2,7 @@
 
 Every command in a ```bash block of README.md or docs/*.md that runs one of the project's scripts
 (`python train_*.py`, `torchrun ... train_*.py`, `bash run_*.sh`, `sbatch slurm/train.sbatch ddp`,
-`python benchmarks/*.py`) is
+`python benchmarks/*.py`, `python docs/*.py`) is
 parsed by that script's own argparse parser, so a renamed or removed flag, or a value outside a
 flag's choices, fails here instead of in a reader's terminal. The parsers are taken from the
 scripts themselves, in this process (torch is already imported by conftest.py): each script runs
@@ -151,7 +151,7 @@ def script_call(words, wrappers):
 
 
 def is_project_script(path):
-    return re.fullmatch(r"train_\w+\.py|benchmarks/\w+\.py", path) is not None
+    return re.fullmatch(r"train_\w+\.py|(benchmarks|docs)/\w+\.py", path) is not None
 
 
 class _Parsed(Exception):

@@ -1,7 +1,7 @@
 """Training seconds to 98% and 99% test accuracy on the real MNIST, per script, as a user runs it.
 
-    python benchmarks/time_to_accuracy.py  # the three default commands, then --epochs 4
-    python benchmarks/time_to_accuracy.py --epochs 2      # the default commands only
+    python docs/time_to_accuracy.py  # the three default commands, then --epochs 4
+    python docs/time_to_accuracy.py --epochs 2      # the default commands only
 
 Each script runs under torchrun on --ranks processes (2: what `bash run_*.sh` starts without GPUs;
 on a GPU node, one per GPU) with its defaults and the bundled MNIST (`--dataset auto`), evaluating
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from compare import launch, machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ def main():
     parser.add_argument(
         "--epochs", type=int, nargs="*", default=[0, 4], help="0: the scripts' default"
     )
-    parser.add_argument("--out", default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--out", default=ROOT / "docs" / "results")
     args = parser.parse_args()
     out, scratch, rows = Path(args.out), Path(tempfile.mkdtemp(prefix="time-to-accuracy-")), []
     for epochs in args.epochs:

@@ -1,7 +1,7 @@
 """The linear scaling rule and warmup, measured: train_ddp.py, batch 64 and 512, SGD with momentum.
 
-    python benchmarks/lr_scaling.py  # 4 runs of 3 epochs, 2 at a time: about 3 minutes on 2 cores
-    python benchmarks/lr_scaling.py --epochs 1      # the same runs, one epoch each
+    python docs/lr_scaling.py  # 4 runs of 3 epochs, 2 at a time: about 3 minutes on 2 cores
+    python docs/lr_scaling.py --epochs 1      # the same runs, one epoch each
 
 Runs the real script, one process each, on the synthetic set with the same seed:
 
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from compare import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ def main():
     parser.add_argument(
         "--jobs", type=int, default=2, help="runs at a time (each is one process, one thread)"
     )
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--out", default=str(ROOT / "docs" / "images"))
     args = parser.parse_args()
     out, scratch = Path(args.out), Path(tempfile.mkdtemp(prefix="lr-scaling-"))
     out.mkdir(parents=True, exist_ok=True)
