@@ -58,7 +58,7 @@ GPT_CONTEXT = {"gpt": 64, "gpt-gpu": 256}
 
 # The defaults --model sets, each GPT's training recipe (a flag given wins); --model cnn keeps the
 # shared parser's. The warmup is the shared rule's: 100 steps, or a fifth of a short run. gpt: a
-# validation loss of 1.82 on 2 CPU processes (benchmarks/gpt_time_to_loss.py); gpt-gpu: nanoGPT's
+# validation loss of 1.82 on 2 CPU processes (docs/gpt_time_to_loss.py); gpt-gpu: nanoGPT's
 # recipe for its GPU size (config/train_shakespeare_char.py), on one GPU.
 RECIPES = {
     "gpt": {"batch_size": 16, "max_steps": 900},

@@ -1,5 +1,5 @@
 """The activations the pages quote (docs/parallelism.md, "Activations" and the Llama-3-8B case),
-held to a fresh run of benchmarks/activation_memory.py: the bytes one block's forward keeps for
+held to a fresh run of docs/activation_memory.py: the bytes one block's forward keeps for
 backward, counted with saved-tensor hooks on a CPU, and the formula the page writes from the GPT's
 shapes. Marked slow and pages: about a minute (the Hugging Face import, six Llama layers, a
 torchrun of 2 gloo processes)."""
@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import ROOT, child_env
 
-from benchmarks import activation_memory
+from docs import activation_memory
 
 PAGE = ROOT / "docs" / "parallelism.md"
 
@@ -20,7 +20,7 @@ PAGE = ROOT / "docs" / "parallelism.md"
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("activations") / "activation_memory.json"
-    command = [sys.executable, str(ROOT / "benchmarks" / "activation_memory.py"), "--out", out]
+    command = [sys.executable, str(ROOT / "docs" / "activation_memory.py"), "--out", out]
     run = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     return json.loads(out.read_text())

@@ -1,5 +1,6 @@
 """The benchmark at its smallest size: every figure present and sane, the plot written; what it says
-when a configuration fails, and what it leaves behind.
+when a configuration fails, and what it leaves behind. And the other files of benchmarks/ and the
+pages' generators in docs/ that no other test runs, each at its smallest.
 
 The benchmark's runs are the scripts the other files test, measured: these tests are marked slow
 (minutes of launches) and left out of the default run, and pages (their figures are quoted): CI runs
@@ -13,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, Run, child_env
+from conftest import ROOT, Run, child_env, succeeded, torchrun
 
 from benchmarks import compare
 
@@ -275,7 +276,7 @@ def test_watch_overhead_reports_both_runs_and_the_host_cost_and_the_plot_reads_t
     run = Run(
         [
             sys.executable,
-            ROOT / "benchmarks" / "watch_overhead.py",
+            ROOT / "docs" / "watch_overhead.py",
             "--pairs",
             "1",
             "--steps",
@@ -313,7 +314,7 @@ def test_gpt_time_to_loss_times_the_launch_to_each_evaluation(tmp_path):
     results = {}
     for target in (4.0, 1.9):
         out = tmp_path / f"{target}.json"
-        command = [sys.executable, ROOT / "benchmarks" / "gpt_time_to_loss.py", "--out", out]
+        command = [sys.executable, ROOT / "docs" / "gpt_time_to_loss.py", "--out", out]
         run = Run([*command, "--target", target, *flags]).wait(timeout=600)
         assert run.returncode == 0, run.output[-3000:]
         assert f"wrote {out}" in run.output
@@ -336,3 +337,93 @@ def test_gpt_time_to_loss_times_the_launch_to_each_evaluation(tmp_path):
     assert missed["final_val_loss"] > 1.9 and reached["wrote_text"] and missed["wrote_text"]
     loads = reached["load_average_1min"]
     assert all(math.isfinite(v) and v >= 0 for v in loads.values()) and reached["cores"] >= 1
+
+
+def last_json_line(output):
+    return json.loads([line for line in output.splitlines() if line.startswith("{")][-1])
+
+
+@pytest.mark.slow
+@pytest.mark.pages
+@pytest.mark.timeout(1200)  # 17 launches: about 2 minutes on 2 idle cores
+def test_sharding_and_fsdp_memory_count_what_the_fsdp_page_quotes(tmp_path):
+    # Every run of docs/sharding.py, the memory table's at width 2 and 2 steps a speed run. Its
+    # activations rows are benchmarks/fsdp_memory.py's counts at width 1: the bytes the committed
+    # results and the FSDP page hold, exactly (tensor bytes do not move from run to run).
+    command = [sys.executable, ROOT / "docs" / "sharding.py", "--out", tmp_path]
+    run = Run([*command, "--rounds", "1", "--steps", "2", "--width", "2"]).wait(timeout=1150)
+    assert run.returncode == 0, run.output[-3000:]
+    fresh = json.loads((tmp_path / "sharding.json").read_text())
+    committed = json.loads((ROOT / "docs" / "results" / "sharding.json").read_text())
+    for row in fresh["memory"]:  # each rank holds its shard group's share of the state (and
+        # the padding of uneven shards: 4.5 % at 4 ranks of width 2), not DDP's whole
+        assert 1 <= row["state_bytes"] / row["expected_state_bytes"] < 1.1, row
+    full, grad_op = fresh["memory"][1:3]  # grad-op keeps the gathered weights: more at the peak
+    assert grad_op["unsharded_param_bytes_at_peak"] > full["unsharded_param_bytes_at_peak"]
+    kept = [row["kept_for_backward_bytes"] for row in fresh["activations"]]
+    peak = [row["peak_tensor_bytes"] for row in fresh["activations"]]
+    assert fresh["activations"] == committed["activations"]
+    mib = [round(n / 2**20, 1) for n in (*kept, *peak)]
+    assert mib == [7.5, 1.0, 9.1, 6.9]  # docs/fsdp.md: "1.0 MiB ... instead of 7.5", "9.1 to 6.9"
+    assert all(row["samples_per_second"] > 0 for row in fresh["speed"]), fresh["speed"]
+
+
+@pytest.mark.slow
+@pytest.mark.pages
+def test_lr_scaling_runs_its_four_runs_and_draws_them(tmp_path, mnist_dir):
+    # The four runs on the small MNIST, one epoch: batch 512 is one step of it; no warmup fits.
+    small = ["--dataset", "mnist", "--data-dir", mnist_dir, "--no-download"]
+    command = [sys.executable, ROOT / "docs" / "lr_scaling.py", "--epochs", "1", "--out", tmp_path]
+    run = Run([*command, "--", *small, "--warmup-steps", "0", "--log-every", "1"]).wait(600)
+    assert run.returncode == 0, run.output[-3000:]
+    runs = json.loads((tmp_path / "lr_scaling.json").read_text())["runs"]
+    assert [(name, r["global_batch_size"], r["steps"]) for name, r in runs.items()] == [
+        ("base", 64, 10),
+        ("unscaled", 512, 1),
+        ("scaled", 512, 1),
+        ("warmup", 512, 1),
+    ]
+    assert runs["scaled"]["lr"] == 8 * runs["unscaled"]["lr"] == 8 * runs["base"]["lr"]
+    assert all(0 < r["epochs"][0]["test_accuracy"] <= 1 for r in runs.values()), runs
+    assert (tmp_path / "lr_scaling.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+@pytest.mark.pages
+def test_time_to_accuracy_reads_each_scripts_epochs(tmp_path, mnist_dir):
+    small = ["--dataset", "mnist", "--data-dir", mnist_dir, "--no-download"]
+    command = [sys.executable, ROOT / "docs" / "time_to_accuracy.py", "--epochs", "2"]
+    run = Run([*command, "--out", tmp_path, "--", *small]).wait(timeout=600)
+    assert run.returncode == 0, run.output[-3000:]
+    rows = json.loads((tmp_path / "time_to_accuracy.json").read_text())["rows"]
+    assert [r["script"] for r in rows] == ["train_ddp.py", "train_fsdp.py", "train_pippy.py"]
+    for row in rows:  # 640 images: a few steps an epoch
+        (e1, s1, t1, a1), (e2, s2, t2, a2) = row["per_epoch"]
+        assert (e1, e2, s2) == (1, 2, 2 * s1) and s1 > 0 and 0 < t1 < t2, row
+        assert 0 <= a1 <= 100 and 0 <= a2 <= 100 and row["final_accuracy"] == a2
+        assert row["seconds_to_99"] is None  # 640 images do not reach 99 %
+    assert (tmp_path / "time_to_accuracy.md").read_text().count("| train_") == 3
+
+
+@pytest.mark.slow
+@pytest.mark.pages
+def test_failure_detection_times_a_killed_rank_and_torchruns_end():
+    command = [sys.executable, ROOT / "docs" / "failure_detection.py", "--trials", "1"]
+    run = Run([*command, "--train-seconds", "0.5"]).wait(timeout=300)
+    assert run.returncode == 0, run.output[-3000:]
+    (trial,) = last_json_line(run.output)["trials"]
+    assert trial["torchrun_exit_code"] not in (0, None), trial  # rank 1 died: the job failed
+    assert 0 < trial["rank0_exit_s"] <= trial["torchrun_exit_s"] < 120, trial
+    assert "| torchrun's exit |" in run.output
+
+
+@pytest.mark.slow
+def test_checkpoint_scale_times_the_save_and_resume_against_dcps(tmp_path):
+    # one 4096 x 4096 layer (200 MB with AdamW's moments), once
+    folder = tmp_path / "ck"
+    flags = ["--gigabytes", "0.1", "--repeats", "1", "--checkpoint-dir", folder]
+    run = succeeded(torchrun("benchmarks/checkpoint_scale.py", 2, *flags))
+    result = last_json_line(run.output)
+    seconds = [v for k, v in result.items() if isinstance(v, float)]
+    assert seconds and all(math.isfinite(v) and v > 0 for v in seconds), result
+    assert not folder.exists()  # removed at the end, as it says

@@ -1,5 +1,5 @@
 """The bytes a rank sends per step, as the pages quote them, held to a fresh count of the scripts'
-own collectives (benchmarks/bytes_per_step.py: each script under torchrun, 2 gloo processes, one
+own collectives (docs/bytes_per_step.py: each script under torchrun, 2 gloo processes, one
 traced step). Byte counts do not vary from run to run, so every comparison is exact.
 
 Marked slow and pages: eight launches, about a minute and a half on 2 cores."""
@@ -9,7 +9,7 @@ import re
 import pytest
 from conftest import ROOT
 
-from benchmarks import bytes_per_step
+from docs import bytes_per_step
 
 DOCS = ROOT / "docs"
 STREAM = 64 * 128 * 4  # the GPT's residual stream, one sequence: 64 positions x 128 floats

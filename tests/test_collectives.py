@@ -7,7 +7,7 @@ parameter split from the layer shapes, its output and gradients against an unspl
 partial sum a rank has without the all-reduce as the negative control). benchmarks/collectives.py
 --quick runs for real; its timings are checked only for their structure, never their values. The
 ring-share table, the memory tables and the quoted fits are recomputed from their formulas, from
-benchmarks/results/sharding.json and from benchmarks/results/collectives.json. The fitted lines must
+docs/results/sharding.json and from benchmarks/results/collectives.json. The fitted lines must
 sit among the points they were fitted to; the old 1/t²-weighted fit, which did not, is the control.
 """
 
@@ -316,7 +316,7 @@ def test_the_memory_table_follows_its_formulas():
 
 
 def test_the_memory_formulas_match_the_measured_bytes_per_rank():
-    measured = json.loads((ROOT / "benchmarks" / "results" / "sharding.json").read_text())["memory"]
+    measured = json.loads((ROOT / "docs" / "results" / "sharding.json").read_text())["memory"]
     runs = {
         ("DDP", 1): "DDP, 1 rank",
         ("full", 2): "FSDP `full`, 2 ranks",

@@ -2,7 +2,7 @@
 
 Every command in a ```bash block of README.md or docs/*.md that runs one of the project's scripts
 (`python train_*.py`, `torchrun ... train_*.py`, `bash run_*.sh`, `sbatch slurm/train.sbatch ddp`,
-`python benchmarks/*.py`) is
+`python benchmarks/*.py`, `python docs/*.py`) is
 parsed by that script's own argparse parser, so a renamed or removed flag, or a value outside a
 flag's choices, fails here instead of in a reader's terminal. The parsers are taken from the
 scripts themselves, in this process (torch is already imported by conftest.py): each script runs
@@ -151,7 +151,7 @@ def script_call(words, wrappers):
 
 
 def is_project_script(path):
-    return re.fullmatch(r"train_\w+\.py|benchmarks/\w+\.py", path) is not None
+    return re.fullmatch(r"train_\w+\.py|(benchmarks|docs)/\w+\.py", path) is not None
 
 
 class _Parsed(Exception):
@@ -282,7 +282,11 @@ def anchors(page):
     return found
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "page",
+    [*PAGES, ROOT / "benchmarks" / "README.md"],
+    ids=lambda page: str(page.relative_to(ROOT)),
+)
 def test_links_and_images_point_to_files_that_exist(page):
     problems = []
     for target in LINK.findall(prose(page)):
@@ -340,3 +344,37 @@ def test_the_generated_code_on_the_pages_is_current():
         "set_requires_gradient_sync(last_micro_step)", "set_requires_gradient_sync(True)", 1
     )
     assert drifted != text and code_on_page.generated(drifted) == text
+
+
+def test_every_file_in_benchmarks_has_its_row_and_a_test_runs_it():
+    """benchmarks/README.md's table: a row for each file there and nothing else, and each file run
+    by a test, directly or through the files its row names (each of which names the file); a page
+    names it in its exercises, which tests/test_exercises.py runs."""
+    rows = {}
+    for line in (ROOT / "benchmarks" / "README.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 3:
+            rows[cells[0].strip("`")] = re.findall(r"`([\w/.]+)`", cells[2])
+    files = subprocess.run(
+        ["git", "ls-files", "benchmarks"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    present = set()
+    for file in files:
+        first, *rest = Path(file).relative_to("benchmarks").parts
+        present.add(first + "/" if rest else first)  # a folder: "results/"
+    present.discard("README.md")
+    assert set(rows) == present, sorted(set(rows) ^ present)
+    for name, runners in rows.items():
+        for runner in runners:  # each names the file: its path, or the module it imports
+            text = (ROOT / (runner if "/" in runner else f"benchmarks/{runner}")).read_text()
+            if runner.endswith(".md"):
+                text = text.partition("\n## Exercises")[2]
+            assert Path(name).stem in text, f"{runner} does not run {name}"
+    for name in present - {"results/"}:
+        seen, todo = set(), [name]
+        while todo:
+            for runner in rows[todo.pop()]:
+                if runner not in seen:
+                    seen.add(runner)
+                    todo += [runner] if runner in rows else []
+        assert any(r.startswith("tests/") or r.endswith(".md") for r in seen), name

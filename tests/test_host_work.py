@@ -1,11 +1,11 @@
-"""The host's work in a GPT training step (benchmarks/host_work.py), held so it cannot grow back
+"""The host's work in a GPT training step (docs/host_work.py), held so it cannot grow back
 unseen: the GPT's step at the gpt-gpu sizes issues no more aten:: events and casts than nanoGPT's
 model does (issue 62's budgets), and train_ddp.py's loop adds at most 5 % to it."""
 
 import pytest
 import torch
 
-from benchmarks import host_work
+from docs import host_work
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The step-time model the TP page quotes (docs/parallelism.md, "Step time" and "Choosing a
-layout"), recomputed: benchmarks/step_time.py run afresh, each figure checked against the page and
+layout"), recomputed: docs/step_time.py run afresh, each figure checked against the page and
 against the arithmetic it stands for. No launches: it reads the committed results of
 bytes_per_step.py and collectives.py (regenerate it after them)."""
 
@@ -10,13 +10,13 @@ import sys
 import pytest
 from conftest import ROOT, child_env
 
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "docs" / "results"
 
 
 @pytest.fixture(scope="module")
 def predicted(tmp_path_factory):
     out = tmp_path_factory.mktemp("step_time") / "step_time.json"
-    command = [sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--out", out]
+    command = [sys.executable, str(ROOT / "docs" / "step_time.py"), "--out", out]
     run = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     return json.loads(out.read_text())
@@ -27,7 +27,7 @@ def text():
 
 
 def test_the_gloo_prices_are_the_fits_times_the_counted_collectives(predicted):
-    fits = json.loads((RESULTS / "collectives.json").read_text())
+    fits = json.loads((ROOT / "benchmarks" / "results" / "collectives.json").read_text())
     fit = next(r for r in fits["results"] if r["world_size"] == 2)["collectives"]
     counted = {
         r["strategy"]: r

@@ -1,8 +1,8 @@
 """Count the bytes each rank sends in one optimizer step, per strategy, from the real collectives.
 
-    python benchmarks/bytes_per_step.py            # BabyCNN and the GPT, DDP, FSDP and TP: 1 minute
-    python benchmarks/bytes_per_step.py --model gpt --strategy tp --batch-size 4
-    python benchmarks/bytes_per_step.py --model gpt --precision bf16   # the rule's dtype
+    python docs/bytes_per_step.py            # BabyCNN and the GPT, DDP, FSDP and TP: 1 minute
+    python docs/bytes_per_step.py --model gpt --strategy tp --batch-size 4
+    python docs/bytes_per_step.py --model gpt --precision bf16   # the rule's dtype
 
 For each model and strategy it launches the real script under torchrun on --world-size CPU processes
 (gloo), for --step steps, with `--profile-steps S:S --log-dir DIR`: each rank writes a trace of its
@@ -30,7 +30,7 @@ logging steps and about once a second) and the logged loss's all-reduce (1 eleme
 steps). They are listed apart and left out of the totals.
 
 Prints a table; writes the figures as JSON to --out, by default (for the default run only)
-benchmarks/results/bytes_per_step.json.
+docs/results/bytes_per_step.json.
 """
 
 import argparse
@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {"ddp": "train_ddp.py", "fsdp": "train_fsdp.py", "tp": "train_tp.py"}
 MODELS = ("cnn", "gpt")
-OUT = ROOT / "benchmarks" / "results" / "bytes_per_step.json"
+OUT = ROOT / "docs" / "results" / "bytes_per_step.json"
 # c10d's op: (the kind, the argument holding the whole tensor, whether that holds one rank's shard)
 OPS = {
     "allreduce_": ("all_reduce", 0, False),

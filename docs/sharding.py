@@ -1,7 +1,8 @@
 """FSDP's options measured: --sharding full, grad-op and hybrid, and --activation-checkpointing.
 
-    python benchmarks/sharding.py                 # about 8 minutes on 2 cores
-    python benchmarks/sharding.py --rounds 1      # one speed round instead of 3
+    python docs/sharding.py                 # about 8 minutes on 2 cores
+    python docs/sharding.py --rounds 1      # one speed round instead of 3
+    python docs/sharding.py --rounds 1 --steps 2 --width 2  # the smoke test's: seconds a run
 
 Three tables, each from real runs, one thread per process, synthetic data:
   memory   train_fsdp.py (and train_ddp.py on one process) at --width 32 (28.2M parameters), batch 8
@@ -25,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from compare import ROOT, launch, machine  # noqa: E402
 
 HYBRID = ["--sharding", "hybrid", "--replicate-degree", "2"]
@@ -104,12 +105,13 @@ def main():
     )
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per speed run")
     parser.add_argument("--timeout", type=int, default=900, help="seconds one run may take")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--width", type=int, default=32, help="BabyCNN's, for the memory table")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "results"))
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="sharding-"))
     results = {"machine": machine(), "memory": [], "activations": [], "speed": []}
 
-    width, batch = 32, 8
+    width, batch = args.width, 8
     for label, name, ranks, flags, group in MEMORY:
         metrics = script(
             name,

@@ -3,8 +3,8 @@ drawn in a terminal and --log-dir's CSV (and TensorBoard events, where installed
 same run piped with neither. Prints a JSON line; the runs alternate, so a machine's drift falls on
 both.
 
-    python benchmarks/watch_overhead.py                       # 2 CPU processes, 6 pairs of runs
-    python benchmarks/watch_overhead.py --pairs 3 --steps 600
+    python docs/watch_overhead.py                       # 2 CPU processes, 6 pairs of runs
+    python docs/watch_overhead.py --pairs 3 --steps 600
 
 The bar redraws at most 10 times a second from the host's clock, and the CSV row is written at
 logging steps, which already wait for the device and the other ranks: neither adds a synchronisation
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from compare import ROOT, steady_state  # noqa: E402  the steady state that compare.py reports
 
 parser = argparse.ArgumentParser()

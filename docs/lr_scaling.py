@@ -1,7 +1,10 @@
 """The linear scaling rule and warmup, measured: train_ddp.py, batch 64 and 512, SGD with momentum.
 
-    python benchmarks/lr_scaling.py  # 4 runs of 3 epochs, 2 at a time: about 3 minutes on 2 cores
-    python benchmarks/lr_scaling.py --epochs 1      # the same runs, one epoch each
+    python docs/lr_scaling.py  # 4 runs of 3 epochs, 2 at a time: about 3 minutes on 2 cores
+    python docs/lr_scaling.py --epochs 1      # the same runs, one epoch each
+    # flags after -- go to every run: the smoke test's small MNIST, no warmup, a log line a step
+    python docs/lr_scaling.py --epochs 1 -- --dataset mnist --data-dir D --warmup-steps 0 \
+        --log-every 1
 
 Runs the real script, one process each, on the synthetic set with the same seed:
 
@@ -28,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from compare import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +50,7 @@ RUNS = {  # name: (global batch, extra flags)
 EPOCH_LINE = re.compile(r"epoch (\d+): step (\d+), .*test accuracy ([\d.]+)%")
 
 
-def start(name, batch, flags, epochs, scratch):
+def start(name, batch, flags, epochs, scratch, more=()):
     metrics = scratch / f"{name}.json"
     command = [
         sys.executable,
@@ -75,6 +78,7 @@ def start(name, batch, flags, epochs, scratch):
         "--warmup-steps",
         "0",
         *flags,
+        *more,
     ]  # the rule as Goyal et al. state it: a constant lr, warmup where said
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("RANK", None)
@@ -117,7 +121,8 @@ def main():
     parser.add_argument(
         "--jobs", type=int, default=2, help="runs at a time (each is one process, one thread)"
     )
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--out", default=str(ROOT / "docs" / "images"))
+    parser.add_argument("flags", nargs="*", help="more flags for every run, after --")
     args = parser.parse_args()
     out, scratch = Path(args.out), Path(tempfile.mkdtemp(prefix="lr-scaling-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -125,7 +130,7 @@ def main():
     while waiting or running:
         while waiting and len(running) < args.jobs:
             name = waiting.pop(0)
-            running.append((name, *start(name, *RUNS[name], args.epochs, scratch)))
+            running.append((name, *start(name, *RUNS[name], args.epochs, scratch, args.flags)))
         name, process, metrics = running.pop(0)
         results[name] = finish(name, RUNS[name][0], process, metrics)
     report = {

@@ -1,6 +1,6 @@
 """A step's time, predicted: compute, plus the communication that overlap does not hide.
 
-    python benchmarks/step_time.py     # reads the committed results: instant
+    python docs/step_time.py     # reads the committed results: instant
 
     step ≈ compute + unhidden communication
     compute = FLOPs a token x tokens a GPU / (peak FLOP/s x utilisation)
@@ -8,10 +8,10 @@
 
 Two cases, each from the project's own figures:
 
-- here: the GPT's collectives on 2 gloo processes (benchmarks/results/bytes_per_step.json: the
+- here: the GPT's collectives on 2 gloo processes (docs/results/bytes_per_step.json: the
   calls and bytes n of each kind), timed with the α–β fits benchmarks/collectives.py measured on
   this machine (benchmarks/results/collectives.json). On a CPU nothing overlaps.
-- at scale: Llama-3-8B (benchmarks/activation_memory.py's shapes) on 8 GPUs, 2 sequences of 4,096
+- at scale: Llama-3-8B (docs/activation_memory.py's shapes) on 8 GPUs, 2 sequences of 4,096
   tokens a GPU, its bytes from the strategies' formulas (docs/transformer.md's table) and the
   links' bandwidths below. A ring moves (W - 1)/W of n per rank at the link's speed each way.
   FSDP's and the pipeline's transfers overlap compute; TP's wait on every layer. The pipeline
@@ -27,7 +27,7 @@ The hardware figures, with their sources:
 - FLOPs a token: 6·P + 12·L·T·C, forward and backward with attention (PaLM, arXiv:2204.02311,
   appendix B).
 
-Prints a summary; writes JSON to --out (default benchmarks/results/step_time.json).
+Prints a summary; writes JSON to --out (default docs/results/step_time.json).
 """
 
 import argparse
@@ -37,7 +37,7 @@ from pathlib import Path
 from activation_memory import LLAMA_8B, llama_params
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "docs" / "results"
 OUT = RESULTS / "step_time.json"
 H100_FLOPS, UTILISATION = 989e12, 0.40
 NVLINK, INFINIBAND = 450e9, 50e9  # bytes a second, each way, a GPU
@@ -46,7 +46,7 @@ NVLINK, INFINIBAND = 450e9, 50e9  # bytes a second, each way, a GPU
 def gloo_case():
     """Seconds of communication a step for the GPT's strategies on 2 gloo processes."""
     counted = json.loads((RESULTS / "bytes_per_step.json").read_text())
-    fits = json.loads((RESULTS / "collectives.json").read_text())
+    fits = json.loads((ROOT / "benchmarks" / "results" / "collectives.json").read_text())
     fit = next(r for r in fits["results"] if r["world_size"] == 2)["collectives"]
     case = {}
     for result in counted:

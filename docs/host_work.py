@@ -1,6 +1,6 @@
 """Count the host's work in a GPT training step: its aten:: events and its casts, by torch.profiler.
 
-    OMP_NUM_THREADS=1 python benchmarks/host_work.py        # about a minute on a 2-core CPU machine
+    OMP_NUM_THREADS=1 python docs/host_work.py        # about a minute on a 2-core CPU machine
 
 On a GPU whose kernels finish fast, a step takes as long as the host takes to issue it: Python and
 the dispatcher run every aten:: op (each cast, view and sum too) before its kernel can start. So the
@@ -20,7 +20,7 @@ of 256 positions:
 The budgets: nanoGPT's own model at these sizes counted 2,698 events and 328 casts at dropout 0,
 3,626 and 528 at dropout 0.2 (torch 2.14.1, issue 62); the GPT at most 2,750 and 340, and as much
 more at 0.2 as nanoGPT's; the script's step at most 5 % over the model's. Prints a table; writes
-benchmarks/results/host_work.json.
+docs/results/host_work.json.
 """
 
 import argparse
@@ -127,7 +127,7 @@ def table(results):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = measure()

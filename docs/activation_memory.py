@@ -1,6 +1,6 @@
 """Measure the activations forward keeps for backward, per transformer block, on a CPU.
 
-    python benchmarks/activation_memory.py     # the GPT's block and a Llama block: seconds
+    python docs/activation_memory.py     # the GPT's block and a Llama block: seconds
 
 Autograd keeps, for backward, the tensors each operation saves. torch.autograd.graph's
 saved_tensors_hooks sees each one as forward saves it: this script counts their bytes, each
@@ -17,7 +17,7 @@ storage once (q, k and v are views of the one qkv projection's output), leaving 
   width C, the MLP's width H, the key/value width C_kv and the heads: its bytes per token,
   a·C + b·H + c·C_kv + e·heads + d. The worked case of Llama-3-8B's shapes uses them.
 
-Prints a summary; writes JSON to --out (default benchmarks/results/activation_memory.json).
+Prints a summary; writes JSON to --out (default docs/results/activation_memory.json).
 """
 
 import argparse
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from models.gpt import Block  # noqa: E402
 
-OUT = ROOT / "benchmarks" / "results" / "activation_memory.json"
+OUT = ROOT / "docs" / "results" / "activation_memory.json"
 # Llama-3-8B (its config.json): width, MLP width, heads, key/value heads, layers, vocabulary
 LLAMA_8B = {"C": 4096, "H": 14336, "heads": 32, "kv_heads": 8, "layers": 32, "vocab": 128256}
 

@@ -1,7 +1,8 @@
 """Training seconds to 98% and 99% test accuracy on the real MNIST, per script, as a user runs it.
 
-    python benchmarks/time_to_accuracy.py  # the three default commands, then --epochs 4
-    python benchmarks/time_to_accuracy.py --epochs 2      # the default commands only
+    python docs/time_to_accuracy.py  # the three default commands, then --epochs 4
+    python docs/time_to_accuracy.py --epochs 2      # the default commands only
+    python docs/time_to_accuracy.py --epochs 1 -- --data-dir DIR  # flags after -- go to each script
 
 Each script runs under torchrun on --ranks processes (2: what `bash run_*.sh` starts without GPUs;
 on a GPU node, one per GPU) with its defaults and the bundled MNIST (`--dataset auto`), evaluating
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from compare import launch, machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +29,7 @@ SCRIPTS = ("train_ddp.py", "train_fsdp.py", "train_pippy.py")
 EPOCH = re.compile(r"^epoch (\d+): step (\d+), .* test accuracy ([\d.]+)%$", re.M)
 
 
-def run(script, ranks, epochs, scratch):
+def run(script, ranks, epochs, scratch, flags=()):
     """[(epoch, step, training seconds, test accuracy %)] of one run, and its metrics."""
     metrics_path = scratch / f"{script}-{epochs}.json"
     command = [
@@ -41,6 +42,7 @@ def run(script, ranks, epochs, scratch):
         "--metrics",
         metrics_path,
         *(["--epochs", str(epochs)] if epochs else []),
+        *flags,
     ]
     (output,) = launch(command, timeout=3600)
     metrics = json.loads(metrics_path.read_text())
@@ -62,13 +64,14 @@ def main():
     parser.add_argument(
         "--epochs", type=int, nargs="*", default=[0, 4], help="0: the scripts' default"
     )
-    parser.add_argument("--out", default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--out", default=ROOT / "docs" / "results")
+    parser.add_argument("flags", nargs="*", help="more flags for each script, after --")
     args = parser.parse_args()
     out, scratch, rows = Path(args.out), Path(tempfile.mkdtemp(prefix="time-to-accuracy-")), []
     for epochs in args.epochs:
         for script in SCRIPTS:
             print(f"{script}, {epochs or 'default'} epochs, {args.ranks} ranks", flush=True)
-            per_epoch, metrics = run(script, args.ranks, epochs, scratch)
+            per_epoch, metrics = run(script, args.ranks, epochs, scratch, args.flags)
             rows.append(
                 {
                     "script": script,

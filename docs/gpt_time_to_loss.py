@@ -1,8 +1,8 @@
 """How long --model gpt takes to reach a validation loss of 1.9 through the launcher: the README's
 command as a user types it, `bash run_ddp.sh --model gpt`, on 2 CPU processes of one thread each.
 
-    python benchmarks/gpt_time_to_loss.py                      # the default recipe, 2 processes
-    python benchmarks/gpt_time_to_loss.py -- --max-steps 700   # flags after -- go to the script
+    python docs/gpt_time_to_loss.py                      # the default recipe, 2 processes
+    python docs/gpt_time_to_loss.py -- --max-steps 700   # flags after -- go to the script
 
 Prints, and writes to --out as JSON: the wall seconds from the launch to each evaluation's line
 (start-up included: bash, torchrun, imports, the data) and to the first at or below --target; the
@@ -31,7 +31,7 @@ EVAL = re.compile(r"^epoch (\d+): step (\d+), .*test loss ([\d.]+)")
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--target", type=float, default=1.9, help="the validation loss to reach")
 parser.add_argument("--ranks", type=int, default=2, help="NPROC_PER_NODE")
-parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/gpt_time_to_loss.json")
+parser.add_argument("--out", type=Path, default=ROOT / "docs/results/gpt_time_to_loss.json")
 parser.add_argument("flags", nargs="*", help="more flags for train_ddp.py, after --")
 args = parser.parse_args()
 

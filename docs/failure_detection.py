@@ -1,7 +1,7 @@
 """How long a dead rank goes unnoticed: SIGKILL rank 1 of a training 2-rank DDP job, time the rest.
 
-    python benchmarks/failure_detection.py              # 5 trials, about a minute on 2 cores
-    python benchmarks/failure_detection.py --trials 10
+    python docs/failure_detection.py              # 5 trials, about a minute on 2 cores
+    python docs/failure_detection.py --trials 10
 
 Each trial starts `torchrun --standalone --nproc-per-node=2 train_ddp.py` (gloo, CPU, one thread per
 process), waits until it has trained for --train-seconds, finds rank 1 among torchrun's children by
