@@ -473,8 +473,8 @@ def _fingerprint(path, checksum=CHECKSUM):
         # (whoever writes a file rewrites checkpoint.json too): a changed byte always changes its
         # block's sum (by d * 256**k mod 2**64 != 0), a truncation the size, a moved or foreign
         # block the SHA-256; only changes that cancel in one MiB's sum pass. 7x SHA-256's speed
-        # here, which took as long as DCP's own load (docs/measurements.md); zlib's CRC-32 was not
-        # 2x faster.
+        # here, which took as long as DCP's own load (docs/measurements.md); zlib's CRC-32 ran at
+        # most 2x SHA-256's (timed by hand).
         block = bytearray(BLOCK)
         words, sums, size = torch.frombuffer(block, dtype=torch.int64), hashlib.sha256(), 0
         threads = torch.get_num_threads()
