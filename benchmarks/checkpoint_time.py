@@ -4,7 +4,7 @@
 
 One process, a process group of one. The save is plumbing/checkpoint_dir.py's Checkpoints.save, as
 every script calls it: DCP writes the weights and AdamW's two moments into .tmp-step-<N>, each rank
-reads the files it wrote back for their SHA-256s, rank 0 writes checkpoint.json and renames the
+reads the files it wrote back for their checksums, rank 0 writes checkpoint.json and renames the
 directory. A save is timed --repeats times after one untimed (the first pays for imports and file
 creation); the median is reported with the bytes of the directory.
 """

@@ -31,7 +31,8 @@ from plumbing.failures import (
 from plumbing.outputs import cannot_write, diverged, save_json
 from plumbing.training import START
 
-FORMAT = 4  # of checkpoint.json: 4 holds the peak lr
+FORMAT = 5  # of checkpoint.json: 4 holds the peak lr, 5 block sums, not SHA-256s (both read)
+CHECKSUM, BLOCK = "block-sums", 1 << 20  # a file's checksum (_fingerprint), and its block
 HISTORY = "history.json"  # in --checkpoint-dir: the checkpoints pruned and those set aside
 WRITER = re.compile(r"__(\d+)_")  # DCP's FileSystemWriter names a rank's files __<rank>_<n>.distcp
 
@@ -68,7 +69,7 @@ def _first_cause(error):  # DCP's failures: {rank: (exception, traceback)}
 
 class Checkpoints:
     """step-<N> in --checkpoint-dir, seen by all ranks: DCP's files, by name (any strategy
-    resumes any other's), and checkpoint.json with their SHA-256s."""
+    resumes any other's), and checkpoint.json with their checksums."""
 
     def __init__(self, args, plan, device):
         self.args, self.directory, self.device = args, args.checkpoint_dir, device
@@ -93,8 +94,11 @@ class Checkpoints:
         rng = {f"rank{dist.get_rank()}": self._random_states()}
         optimizer_tensors = _renamed(optimizer_state["state"], self.aliases)
         state = {"model": model_state, "optimizer": optimizer_tensors, "rng": rng}
-        checked = [t for t in _local(state) if t.is_floating_point()] + list(losses)
-        finite = torch.stack([t.isfinite().all().to(self.device) for t in checked]).all()
+        checked = [t for t in _local(state) if t.is_floating_point() and t.numel()] + list(losses)
+        # Their ends: NaN and inf reach aminmax's; isfinite() made a bool the size of each (page
+        # faults: most of a save's time on a CPU, docs/measurements.md)
+        ends = [torch.stack(torch.aminmax(t)).isfinite().all().to(self.device) for t in checked]
+        finite = torch.stack(ends).all()
         finite = finite.to(torch.int32)  # one sync for them all
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         if not finite:
@@ -119,7 +123,7 @@ class Checkpoints:
                 done = steps_into_epoch * self.layout["global_batch_size"]
                 info = {"format": FORMAT, "layout": self.layout, "step": step, "epoch": epoch}
                 info |= {"samples_into_epoch": done, "peak_lr": self.peak_lr}
-                info |= {"branch": self.branch, "files": files}
+                info |= {"branch": self.branch, "checksum": CHECKSUM, "files": files}
                 save_json(info, os.path.join(temporary, "checkpoint.json"))
                 shutil.rmtree(final, ignore_errors=True)  # a rerun saved it before
                 os.replace(temporary, final)
@@ -231,7 +235,7 @@ class Checkpoints:
                     "use another --checkpoint-dir"
                 ) from None
             why = transient(cause) or type(cause).__name__
-            line = f"checkpoint {path} was not loaded ({why}): it is intact (its SHA-256s match)"
+            line = f"checkpoint {path} was not loaded ({why}): it is intact (its checksums match)"
             raise Retryable(line) from None
         set_state_dict(
             model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state
@@ -314,7 +318,7 @@ class Checkpoints:
 
     def intact(self, path):
         """Collective: (checkpoint.json, None) if every file of ``path`` is whole and matches its
-        SHA-256, or (None, what is damaged). Each rank checks the files it wrote (at another world
+        checksum, or (None, what is damaged). Each rank checks the files it wrote (at another world
         size, rank % world_size's), at once. A read error is not damage: every rank raises it."""
         info, problem = on_rank_0(lambda: read_manifest(path, self.layout), f"reading {path}")
         if problem:
@@ -322,7 +326,7 @@ class Checkpoints:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         mine = [name for name in sorted(info["files"]) if checked_by(name, world_size) == rank]
         try:
-            outcome = check_files(path, info["files"], mine)  # None, or what is damaged
+            outcome = check_files(path, info["files"], mine, info["checksum"])  # None, or damage
         except OSError as error:
             outcome = error
         outcomes = from_every_rank(outcome)  # collective
@@ -410,7 +414,7 @@ def verify(path, layout=None):
     if problem:
         return None, problem
     try:
-        problem = check_files(path, info["files"], sorted(info["files"]))
+        problem = check_files(path, info["files"], sorted(info["files"]), info["checksum"])
     except OSError as error:
         raise unreadable(path, error) from None
     return (None, problem) if problem else (info, None)
@@ -424,16 +428,17 @@ def read_manifest(path, layout=None):
         with open(manifest) as file:
             info = json.load(file)
         files = {name: [int(size), str(digest)] for name, (size, digest) in info["files"].items()}
-        if ".metadata" not in files or info["format"] != FORMAT:
-            found = f"format {info['format']} (this code reads {FORMAT}), files {sorted(files)}"
-            raise ValueError(found)
+        checksum = {4: "sha256", FORMAT: info.get("checksum")}.get(info["format"])  # 4 names none
+        if ".metadata" not in files or checksum not in ("sha256", CHECKSUM):
+            found = f"format {info['format']}, checksum {checksum} (this code reads 4 with sha256"
+            raise ValueError(f"{found} and {FORMAT} with {CHECKSUM}), files {sorted(files)}")
     except OSError as error:
         if error.errno != errno.ENOENT:
             raise unreadable(path, error) from None
         return None, f"checkpoint.json is unreadable: {error}"
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         return None, f"checkpoint.json is unreadable: {error}"
-    info["files"] = files
+    info["files"], info["checksum"] = files, checksum
     if layout and info["layout"]["dataset"] != layout["dataset"]:  # another model's
         raise UsageError(
             f"checkpoint {manifest} was saved with dataset {info['layout']['dataset']}, "
@@ -451,13 +456,13 @@ def read_manifest(path, layout=None):
     return info, None
 
 
-def check_files(path, files, names):
-    """None if each of ``names`` is whole and matches ``files`` ({name: [size, SHA-256]}), or what
-    is damaged: missing, truncated, another SHA-256. A read error raises its OSError, named."""
+def check_files(path, files, names, checksum=CHECKSUM):
+    """None if each of ``names`` is whole and matches ``files`` ({name: [size, checksum]}), or what
+    is damaged: missing, truncated, another checksum. A read error raises its OSError, named."""
     for name in names:
         expected, file = files[name], os.path.join(path, name)
         try:
-            actual = _fingerprint(file)
+            actual = _fingerprint(file, checksum)
         except OSError as error:
             if error.errno == errno.ENOENT:  # not whole: a file of it is gone
                 return f"{name}: {error.strerror}"
@@ -466,7 +471,7 @@ def check_files(path, files, names):
         if actual[0] != expected[0]:
             return f"{name} has {actual[0]} bytes, checkpoint.json says {expected[0]}"
         if actual != expected:
-            return f"{name} does not match its SHA-256 in checkpoint.json"
+            return f"{name} does not match its checksum in checkpoint.json"
     return None
 
 
@@ -518,7 +523,28 @@ def unused_path(path):  # path, or the first free path-2, path-3, ...
     return taken
 
 
-def _fingerprint(path):  # [size in bytes, SHA-256] of a file
+def _fingerprint(path, checksum=CHECKSUM):
+    """[size in bytes, checksum] of a file: "block-sums" (format 5's), or "sha256" (format 4's)."""
     with open(path, "rb") as file:
-        digest = hashlib.file_digest(file, "sha256").hexdigest()
-    return [os.path.getsize(path), digest]
+        if checksum == "sha256":
+            return [os.path.getsize(path), hashlib.file_digest(file, "sha256").hexdigest()]
+        # Each MiB's 64-bit words summed (wrapping: any order gives the same sum; little-endian,
+        # as on x86 and ARM), the sums SHA-256'd in order. For accidental damage, not forgery
+        # (whoever writes a file rewrites checkpoint.json too): a changed byte always changes its
+        # block's sum (by d * 256**k mod 2**64 != 0), a truncation the size, a moved or foreign
+        # block the SHA-256; only changes that cancel in one MiB's sum pass. 7x SHA-256's speed
+        # here, which took as long as DCP's own load (docs/measurements.md); zlib's CRC-32 ran at
+        # most 2x SHA-256's (timed by hand).
+        block = bytearray(BLOCK)
+        words, sums, size = torch.frombuffer(block, dtype=torch.int64), hashlib.sha256(), 0
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # a MiB's sum: more threads waited on each other, 20x slower
+        try:
+            while read := file.readinto(block):  # a buffered file's: full up to its end
+                block[read : -read % 8 + read] = bytes(-read % 8)  # the last word padded
+                total = int(words[: -(-read // 8)].sum())
+                sums.update(total.to_bytes(8, "little", signed=True))
+                size += read
+        finally:
+            torch.set_num_threads(threads)
+    return [size, sums.hexdigest()]

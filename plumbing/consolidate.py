@@ -4,7 +4,7 @@ CHECKPOINT_DIR is a step-<N> directory, or a --checkpoint-dir, whose newest step
 line printed says which). Whichever script and world size wrote it (DDP, FSDP's shards, pipeline
 stages, TP x FSDP's DTensors), OUT.pt holds what --save writes: the model's full state dict, for
 model.load_state_dict(torch.load("OUT.pt", weights_only=True)). One process, no process group, no
-GPU. A checkpoint that fails its SHA-256s, or a directory with none, is one line, exit code 2.
+GPU. A checkpoint that fails its checksums, or a directory with none, is one line, exit code 2.
 
 Back to Hugging Face: --like PRETRAINED (the save_pretrained folder that --init-from read) writes
 OUT as such a folder instead: safetensors under PRETRAINED's names (a wrapper's prefix off, a tied
@@ -49,11 +49,11 @@ def consolidate(directory, out):
 
 def consolidated(directory):
     """(the checkpoint, its checkpoint.json, its model's tensors by name) of ``directory`` (see
-    checkpoint_dir.newest), once its SHA-256s are checked."""
+    checkpoint_dir.newest), once its checksums are checked."""
     from plumbing.checkpoint_dir import newest, verify
 
     path = newest(directory)
-    info, problem = verify(path)  # each file's size and SHA-256
+    info, problem = verify(path)  # each file's size and checksum
     if problem:  # DCP has no checksum: it would read damaged bytes as weights
         raise UsageError(f"checkpoint {path} is damaged ({problem}): nothing was written")
     metadata, tensors = dcp.FileSystemReader(path).read_metadata(), {}

@@ -238,7 +238,7 @@ def safetensors_listing(file):
 
 
 def checkpoint_listing(checkpoint):
-    """A checkpoint's model tensors (names less ``model.``), once its SHA-256s are checked."""
+    """A checkpoint's model tensors (names less ``model.``), once its checksums are checked."""
     import torch.distributed.checkpoint as dcp
 
     from plumbing.checkpoint_dir import verify

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, Run, child_env, succeeded, torchrun
+from conftest import ROOT, Run, child_env
 
 from benchmarks import compare
 
@@ -415,15 +415,3 @@ def test_failure_detection_times_a_killed_rank_and_torchruns_end():
     assert trial["torchrun_exit_code"] not in (0, None), trial  # rank 1 died: the job failed
     assert 0 < trial["rank0_exit_s"] <= trial["torchrun_exit_s"] < 120, trial
     assert "| torchrun's exit |" in run.output
-
-
-@pytest.mark.slow
-def test_checkpoint_scale_times_the_save_and_resume_against_dcps(tmp_path):
-    # one 4096 x 4096 layer (200 MB with AdamW's moments), once
-    folder = tmp_path / "ck"
-    flags = ["--gigabytes", "0.1", "--repeats", "1", "--checkpoint-dir", folder]
-    run = succeeded(torchrun("benchmarks/checkpoint_scale.py", 2, *flags))
-    result = last_json_line(run.output)
-    seconds = [v for k, v in result.items() if isinstance(v, float)]
-    assert seconds and all(math.isfinite(v) and v > 0 for v in seconds), result
-    assert not folder.exists()  # removed at the end, as it says

@@ -466,9 +466,8 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_newest_intact_one_resumes(
     )
     aside = checkpoints / "damaged-step-40"
     assert (
-        f"checkpoint {checkpoints}/step-40 is damaged ({data_file.name} does not match its SHA-256 "
-        "in "
-        f"checkpoint.json): moved it to {aside}"
+        f"checkpoint {checkpoints}/step-40 is damaged ({data_file.name} does not match its "
+        f"checksum in checkpoint.json): moved it to {aside}"
     ) in run.output
     assert (aside / data_file.name).read_bytes() == damaged  # set aside as it was, never deleted
     assert f"resumed from {checkpoints}/step-30 (step 30, epoch 2)" in run.output
@@ -492,8 +491,8 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_newest_intact_one_resumes(
         )
     )
     assert (
-        f"checkpoint {aside} was set aside as damaged ({data_file.name} does not match its SHA-256 "
-        "in checkpoint.json): delete it once looked at"
+        f"checkpoint {aside} was set aside as damaged ({data_file.name} does not match its "
+        "checksum in checkpoint.json): delete it once looked at"
     ) in again.output, again.output
     assert f"resumed from {checkpoints}/step-40 (step 40," in again.output
     assert (

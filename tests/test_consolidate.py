@@ -143,7 +143,7 @@ def test_a_damaged_checkpoint_or_none_is_one_line_and_nothing_is_written(ddp_run
         (
             step,
             (
-                f"checkpoint {step} is damaged (__1_0.distcp does not match its SHA-256 in "
+                f"checkpoint {step} is damaged (__1_0.distcp does not match its checksum in "
                 "checkpoint.json): nothing was written"
             ),
         ),

@@ -4,6 +4,8 @@ about a second, with a checkpoint."""
 
 import csv
 import errno
+import hashlib
+import json
 import math
 import os
 import re
@@ -327,6 +329,56 @@ def test_a_damaged_checkpoint_set_aside_never_takes_a_name_in_use(tmp_path):
     assert checkpoint_dir.unused_path(str(tmp_path / "damaged-step-8")) == str(
         tmp_path / "damaged-step-8"
     )
+
+
+def test_a_checksum_finds_every_flipped_byte_and_old_sha256_checkpoints_still_verify(tmp_path):
+    """checkpoint_dir.verify on real files: a byte flipped at either end, in the middle and at a
+    block's edge, a lost or a zero byte more, a swap of two blocks: each is damage; an intact
+    checkpoint is not. A checkpoint.json of format 4 (SHA-256s, before the block sums) verifies by
+    its SHA-256s, and is damaged by the same flips; an unknown format is named."""
+    block = checkpoint_dir.BLOCK
+    data = bytes(torch.randint(0, 256, (3 * block + 5,), dtype=torch.uint8).tolist())
+    layout = {"dataset": "synthetic", "optimizer": None}
+    for folder, format_, digest in [
+        ("new", checkpoint_dir.FORMAT, None),
+        ("old", 4, lambda raw: hashlib.sha256(raw).hexdigest()),
+    ]:
+        path = tmp_path / folder
+        path.mkdir()
+        (path / ".metadata").write_bytes(b"metadata")
+        (path / "__0_0.distcp").write_bytes(data)
+        files = {}
+        for name in (".metadata", "__0_0.distcp"):
+            raw = (path / name).read_bytes()
+            files[name] = (
+                [len(raw), digest(raw)] if digest else checkpoint_dir._fingerprint(path / name)
+            )
+        info = {"format": format_, "layout": layout, "files": files}
+        info |= {} if digest else {"checksum": checkpoint_dir.CHECKSUM}
+        (path / "checkpoint.json").write_text(json.dumps(info))
+        assert checkpoint_dir.verify(path)[1] is None, folder  # intact
+        assert checkpoint_dir.verify(path)[0]["checksum"] == ("sha256" if digest else "block-sums")
+        swapped = data[block : 2 * block] + data[:block] + data[2 * block :]
+        damaged = [swapped, data[:-1], data + bytes(1)]
+        for at in (0, block - 1, block, len(data) // 2, len(data) - 1):
+            for bit in (0, 7):
+                flipped = bytearray(data)
+                flipped[at] ^= 1 << bit
+                damaged.append(bytes(flipped))
+        for bad in damaged:
+            (path / "__0_0.distcp").write_bytes(bad)
+            problem = checkpoint_dir.verify(path)[1]
+            assert problem in (
+                "__0_0.distcp does not match its checksum in checkpoint.json",
+                f"__0_0.distcp has {len(bad)} bytes, checkpoint.json says {len(data)}",
+            ), (folder, problem)
+            assert ("bytes" in problem) == (len(bad) != len(data)), problem
+    (tmp_path / "new" / "checkpoint.json").write_text(json.dumps(info | {"format": 6}))
+    problem = checkpoint_dir.verify(tmp_path / "new")[1]
+    assert problem.startswith(
+        "checkpoint.json is unreadable: format 6, checksum None (this code reads 4 with sha256 "
+        "and 5 with block-sums)"
+    ), problem
 
 
 def accelerator_error(text, code=None):
