@@ -331,6 +331,7 @@ def bound_by_permissions(command, cwd=None, **env):
     )
 
 
+@pytest.mark.slow  # in CI's slow stage, for the README's 8 minutes
 def test_a_full_disk_is_one_line_that_names_the_path_and_the_space(mnist_dir, tmp_path):
     flags = [
         *mnist_args(mnist_dir),
@@ -392,6 +393,7 @@ def test_a_full_disk_is_one_line_that_names_the_path_and_the_space(mnist_dir, tm
             assert left.split() == ["./ck"], left  # no .tmp-step-10 left behind
 
 
+@pytest.mark.slow  # in CI's slow stage, for the README's 8 minutes
 def test_a_data_directory_this_user_cannot_read_is_named_as_such(mnist_dir, tmp_path):
     shutil.copytree(mnist_dir, tmp_path / "data")
     (tmp_path / "data" / "MNIST" / "raw").chmod(0)
@@ -406,6 +408,7 @@ def test_a_data_directory_this_user_cannot_read_is_named_as_such(mnist_dir, tmp_
         (tmp_path / "data" / "MNIST" / "raw").chmod(0o755)
 
 
+@pytest.mark.slow  # in CI's slow stage, for the README's 8 minutes
 def test_a_checkpoint_directory_made_read_only_mid_run_is_one_line(mnist_dir, tmp_path):
     command = [
         "bash",

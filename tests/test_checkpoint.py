@@ -377,6 +377,7 @@ def test_a_resharded_resume_continues_training(uninterrupted, mnist_dir, tmp_pat
     assert metrics["final_train_loss"] < 1.0 and metrics["test_accuracy"] > 0.5
 
 
+@pytest.mark.slow  # in CI's slow stage, for the README's 8 minutes
 def test_resume_from_an_older_checkpoint_ends_as_the_uninterrupted_run(
     uninterrupted, mnist_dir, tmp_path
 ):

@@ -141,6 +141,7 @@ def two_nodes(tmp_path, mnist_dir, with_data, *args, **extra_env):
     return runs
 
 
+@pytest.mark.slow  # in CI's slow stage, for the README's 8 minutes
 def test_two_nodes_with_their_own_data_train_like_one_node_with_two_processes(
     two_ranks, mnist_dir, tmp_path
 ):
@@ -163,6 +164,7 @@ def test_two_nodes_with_their_own_data_train_like_one_node_with_two_processes(
     assert max_difference(load_weights(path), two_ranks) == 0  # the very same computation
 
 
+@pytest.mark.slow  # in CI's slow stage, for the README's 8 minutes
 def test_a_node_without_the_files_stops_every_node(mnist_dir, tmp_path):
     metrics_path = tmp_path / "metrics.json"
     nodes = two_nodes(

@@ -139,6 +139,7 @@ def test_a_file_that_does_not_fit_is_one_line_and_a_checkpoint_wins_over_it(
     )
 
 
+@pytest.mark.slow  # in CI's slow stage, for the README's 8 minutes
 def test_an_init_from_file_missing_or_unreadable_is_named_with_its_os_error(mnist_dir, tmp_path):
     """--init-from's file missing (exit 2), unreadable (chmod 000, bound by permissions: exit 2) or
     failing with a real I/O error (a symlink to /proc/self/mem, whose read fails with EIO: exit 75,

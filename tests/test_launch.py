@@ -304,7 +304,13 @@ ENDINGS = {  # rank 1's line, and what the launch must print after its command l
 }
 
 
-@pytest.mark.parametrize("case", ENDINGS)
+# The README's 8 minutes: two endings there, two in CI's slow stage
+SLOW_ENDINGS = {"index-error", "killed-by-sigterm"}
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=[pytest.mark.slow] * (c in SLOW_ENDINGS)) for c in ENDINGS]
+)
 def test_a_failing_worker_is_said_once_in_its_own_words(case, tmp_path):
     rank_1, expected, exit_code = ENDINGS[case]
     (tmp_path / "worker.py").write_text(WORKER.format(rank_1=rank_1))
@@ -337,6 +343,7 @@ failures.run(main)
 """
 
 
+@pytest.mark.slow  # in CI's slow stage, for the README's 8 minutes
 def test_a_restart_says_why_from_the_failed_attempts_note(tmp_path):
     """Rank 1's I/O error on the first attempt: torchrun restarts (MAX_RESTARTS=2), and one line
     before it names the rank, its failure (its note's) and the attempts; the second passes."""
@@ -374,6 +381,7 @@ def test_a_killed_rank_is_one_line(mnist_dir):
     assert "Traceback" not in run.output and "[rank" not in run.output, run.output
 
 
+@pytest.mark.slow  # in CI's slow stage, for the README's 8 minutes
 def test_a_stop_signal_to_one_worker_alone_stops_every_rank_and_keeps_its_exit_code(
     mnist_dir, tmp_path
 ):
@@ -411,7 +419,7 @@ def test_a_stop_signal_to_one_worker_alone_stops_every_rank_and_keeps_its_exit_c
     assert len([line for line in lines if not line.startswith("step ")]) == 2, run.output
 
 
-@pytest.mark.parametrize("signals", [1, 2])
+@pytest.mark.parametrize("signals", [1, pytest.param(2, marks=pytest.mark.slow)])  # 8 minutes
 def test_a_stop_that_cannot_reach_a_stuck_rank_says_so(signals, mnist_dir):
     # Rank 1 stops (SIGSTOP), so rank 0 waits for it in a collective and neither can reach a
     # checkpoint: torchrun kills both after its shutdown timeout (3 s here, from torch 2.10; 30 s

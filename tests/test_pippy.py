@@ -68,6 +68,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow  # in CI's slow stage, for the README's 8 minutes
 def test_a_clip_by_each_stage_own_norm_is_far_from_one_process(reference, mnist_dir, tmp_path):
     """The negative control of the clipping above: train_pippy.py with the all-reduce of its
     gradient norm taken out, so that each stage clips by the norm of its own gradients (torchtitan
