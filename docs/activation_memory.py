@@ -95,6 +95,7 @@ def tp_worker(out):
     dist.all_gather_object(sizes, kept)  # collective
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(sizes))
+    dist.barrier()  # collective: neither rank tears its pairs down while the other still uses them
     dist.destroy_process_group()
 
 
