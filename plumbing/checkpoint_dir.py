@@ -12,6 +12,7 @@ import shutil
 import socket
 import tempfile
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -104,7 +105,9 @@ class Checkpoints:
         if not finite:
             raise diverged(step, "a weight, an optimizer state or the loss is not finite", self)
         try:
-            dcp.save(state, checkpoint_id=temporary)  # one rank fails: all raise
+            with warnings.catch_warnings():  # torch 2.9's DCP warns of its own .storage() call
+                warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+                dcp.save(state, checkpoint_id=temporary)  # one rank fails: all raise
         except (OSError, RuntimeError, CheckpointException) as error:
             raise self._not_written(step, temporary, error, state) from None
         rank, world_size = dist.get_rank(), dist.get_world_size()
