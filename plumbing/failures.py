@@ -120,6 +120,8 @@ def run(main, *also):
             _end_process_group(problem)
             raise
     if problem is not None:  # its frames hold main's objects (the progress bar): gone first
+        # A DataLoader's SIGCHLD handler would raise, mid-teardown, for a worker torchrun stopped
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         problem.__traceback__ = None
     _end_process_group(problem)
     if ending:
