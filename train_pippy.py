@@ -113,7 +113,7 @@ def main():
     torch.manual_seed(args.seed + rank)  # dropout: no two ranks mask the same blocks and samples
 
     # ---- resume: from the newest checkpoint, if any (collective) ----
-    resumed = checkpoints.resume(model, optimizer, log, first_names(tied)) if checkpoints else START
+    resumed = checkpoints.resume(model, optimizer, log, tied) if checkpoints else START
     what = f"pipeline ({args.schedule}, {len(stage_blocks)} stages: blocks {stage_blocks}, "
     what += f"{args.microbatches} microbatches) x {dp} replica(s){chosen} on {world_size} rank(s)"
     figures = watch.describe(args, plan, param_count, flops, "replica")
@@ -183,7 +183,8 @@ def main():
 
         run = {"strategy": "pipeline", "schedule": args.schedule, "stages": len(stage_blocks)}
         run |= {"microbatches": args.microbatches, "data_parallel": args.data_parallel}
-        run["rank_info"] = rank_info(stages, stage_blocks)
+        here = [stage.stage_index for stage in stages]  # this rank's stages and their blocks
+        run["rank_info"] = {"stages": here, "blocks": [stage_blocks[i] for i in here]}
         metrics.write(args, plan, progress, model, optimizer, flops, param_count, **run)
 
 
@@ -192,14 +193,12 @@ def evaluate(model, schedule, stages, test_batches, mesh):
     for buffer in model.buffers():  # BatchNorm's: replica 0's, as saved
         dist.broadcast(buffer, group=mesh.get_group("dp"), group_src=0)
     model.eval()
-    has_first = any(stage.is_first for stage in stages)
-    has_last = any(stage.is_last for stage in stages)
+    first = any(stage.is_first for stage in stages)
+    last = any(stage.is_last for stage in stages)
 
     def pipeline_forward(images, labels):  # logits on the last stage
-        logits = schedule.eval(
-            *([images] if has_first else []), target=labels if has_last else None
-        )
-        return logits if has_last else None
+        logits = schedule.eval(*([images] if first else []), target=labels if last else None)
+        return logits if last else None
 
     # Loss sum, correct, count on this replica: zeros where no last stage.
     dp_rank, replicas = mesh.get_local_rank("dp"), mesh["dp"].size()
@@ -306,10 +305,6 @@ def gather_state_dict(model, mesh, tied):
     return state
 
 
-def stages_per_rank(args):  # default: 1 for gpipe and 1f1b, 2 for the others
-    return args.stages_per_rank or (1 if SCHEDULES[args.schedule][1] == "one" else 2)
-
-
 def pipeline_degree(world_size, blocks, per_rank):
     """The most pipeline ranks, a divisor of the world size, whose stages fit the model's blocks
     (None: none do); the other ranks replicate the pipeline."""
@@ -319,8 +314,10 @@ def pipeline_degree(world_size, blocks, per_rank):
 
 def check_flags(args, world_size, blocks):
     """Refuse, before any communication, layouts whose schedules fail or hang; choose
-    --data-parallel if not given (said on the start line: returned)."""
-    per_rank, chosen = stages_per_rank(args), ""
+    --stages-per-rank and --data-parallel if not given (how, on the start line: returned)."""
+    if args.stages_per_rank is None:  # 1 for gpipe and 1f1b, 2 for the others
+        args.stages_per_rank = 1 if SCHEDULES[args.schedule][1] == "one" else 2
+    per_rank, chosen = args.stages_per_rank, ""
     fits = pipeline_degree(world_size, blocks, per_rank)
     if args.data_parallel is None:  # the fewest replicas whose pipeline fits the blocks
         args.data_parallel = world_size // (fits or 1)
@@ -384,7 +381,7 @@ def build_stages(model, args, sample, mesh, fill, autocast):
     plumbing/parts.py), the others stay on meta, then become nn.Identity.
     """
     pipeline_ranks, pp_rank = mesh["pp"].size(), mesh.get_local_rank("pp")
-    num_stages = pipeline_ranks * stages_per_rank(args)
+    num_stages = pipeline_ranks * args.stages_per_rank
     costs = block_flops(model, parts.on(model, sample))  # of each of model.blocks
     # A rank holds two neighbouring stages in the V (zbv), or in a loop on one rank.
     neighbours = num_stages > 1 and (args.schedule == "zbv" or pipeline_ranks == 1)
@@ -407,7 +404,7 @@ def build_stages(model, args, sample, mesh, fill, autocast):
     if args.schedule == "zbv":
         stage_indices = [pp_rank, 2 * pipeline_ranks - 1 - pp_rank]
     else:
-        stage_indices = [pp_rank + k * pipeline_ranks for k in range(stages_per_rank(args))]
+        stage_indices = [pp_rank + k * pipeline_ranks for k in range(args.stages_per_rank)]
     local = [block for index in stage_indices for block in stage_blocks[index]]
     holds = [model.blocks[block] for block in local]  # the rest stays on meta
     parts.materialize(model, sample.device, args, fill, log, holds)  # collective
@@ -415,13 +412,11 @@ def build_stages(model, args, sample, mesh, fill, autocast):
     for index in range(len(model.blocks)):
         if index not in local:  # names stay the whole model's, for checkpoints
             model.blocks[index] = nn.Identity()
+    group = mesh.get_group("pp")  # this rank's pipeline
     stages = []
     for index in stage_indices:  # model's own blocks: the optimizer's parameters
         stage_model = Stage([model.blocks[block] for block in stage_blocks[index]], autocast)
-        device = sample.device
-        stages.append(
-            PipelineStage(stage_model, index, num_stages, device, group=mesh.get_group("pp"))
-        )
+        stages.append(PipelineStage(stage_model, index, num_stages, sample.device, group=group))
     return stages, stage_blocks, tied
 
 
@@ -443,34 +438,16 @@ def tied_weights(model, stage_blocks, stage_indices):
     return found
 
 
-def rank_info(stages, stage_blocks):  # --metrics': this rank's stages and their blocks
-    here = [stage.stage_index for stage in stages]
-    return {"stages": here, "blocks": [stage_blocks[i] for i in here]}
-
-
-def first_names(tied):
-    """{name: its first name} of the tied weights' other names: a checkpoint keeps one
-    optimizer state of each, by the name one process gives it."""
-    return {name: weight.names[0] for weight in tied for name in weight.names[1:]}
-
-
 def sum_tied_grads(tied, device, pp_group):
-    """Collective: each tied weight's gradient summed over the stages that hold it, in one
+    """Collective: each tied weight's gradient summed over the stages that hold it, an
     all-reduce over the pipeline ranks (zeros from the others): each copy takes the whole
     model's step, as one process would."""
-    if not tied:
-        return
-    grads = [
-        w.copy.grad
-        if w.copy is not None and w.copy.grad is not None
-        else torch.zeros_like(w.like, device=device)
-        for w in tied
-    ]
-    flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat, group=pp_group)
-    for weight, part in zip(tied, flat.split([g.numel() for g in grads])):
+    for weight in tied:  # the same list on every rank: the same all-reduces, in order
+        held = weight.copy is not None and weight.copy.grad is not None
+        grad = weight.copy.grad if held else torch.zeros_like(weight.like, device=device)
+        dist.all_reduce(grad, group=pp_group)
         if weight.copy is not None:
-            weight.copy.grad = part.view_as(weight.copy)
+            weight.copy.grad = grad
 
 
 class Stage(nn.Sequential):
@@ -501,27 +478,24 @@ def block_flops(model, sample):
     no blocks, or its forward does more than run them in order (the stages would train
     another model), or they fail alone on its input (an embedding outside them)."""
     model.eval()  # grad on: no_grad's fused TransformerEncoderLayer escapes the counter
-    flops, x, failed = [], sample, None
-    for index, block in enumerate(blocks_of(model)):
+    blocks = blocks_of(model)
+    whole = model(sample)  # a model that fails whole says why, in its own error
+    start = "train_pippy.py cuts model.blocks into stages, but your model's forward does more "
+    start += "than run its blocks in order"
+    flops, x = [], sample
+    for index, block in enumerate(blocks):
         try:
             with FlopCounterMode(display=False) as counter:
                 x = block(x)
-        except Exception as error:  # refused below, once the whole model has run
-            failed = (index, block, error)
-            break
+        except Exception as error:  # the blocks' own failure (an embedding outside them)
+            before = f"model.blocks[{index - 1}]'s output" if index else "the model's input"
+            raise failures.UsageError(
+                f"{start}: model.blocks[{index}] ({type(block).__name__}) fails on {before} "
+                f"({type(error).__name__}): move the work your forward does outside blocks into "
+                "them, in order (an embedding first, a head last)"
+            ) from None
         flops.append(counter.get_total_flops())
-    whole = model(sample)  # a model that fails whole says why, in its own error
     model.train()
-    start = "train_pippy.py cuts model.blocks into stages, but your model's forward does more "
-    start += "than run its blocks in order"
-    if failed:
-        index, block, error = failed
-        before = f"model.blocks[{index - 1}]'s output" if index else "the model's input"
-        raise failures.UsageError(
-            f"{start}: model.blocks[{index}] ({type(block).__name__}) fails on {before} "
-            f"({type(error).__name__}): move the work your forward does outside blocks into "
-            "them, in order (an embedding first, a head last)"
-        )
     same = x.is_meta or torch.allclose(x, whole, rtol=1e-3, atol=1e-6)  # meta: the shapes
     if x.shape != whole.shape or not same:
         raise failures.UsageError(f"{start}: move that work into blocks (nn.Flatten(), ...)")

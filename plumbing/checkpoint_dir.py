@@ -202,11 +202,12 @@ class Checkpoints:
         for stray in (n for n in _names(self.directory) if n.startswith(".tmp-step-")):
             shutil.rmtree(os.path.join(self.directory, stray), ignore_errors=True)
 
-    def resume(self, model, optimizer, log, aliases=None):
+    def resume(self, model, optimizer, log, tied=()):
         """Collective: load the newest intact checkpoint, if any, with each rank's random
-        states; where to go on. ``aliases`` ({name: name in the whole model}) name optimizer
-        states here and in every save (_renamed)."""
-        self.aliases = aliases or {}
+        states; where to go on. ``tied``: the weights a pipeline's stages share, each with its
+        ``names`` in the whole model; a checkpoint keeps one optimizer state of each, by its first
+        name (the one one process gives it), here and in every save (_renamed)."""
+        self.aliases = {name: weight.names[0] for weight in tied for name in weight.names[1:]}
         self._check_shared()  # collective
         found = self._newest_intact(log)  # collective
         if found is None:
