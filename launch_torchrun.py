@@ -70,6 +70,7 @@ for number in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, sig
     signal.signal(number, stopped_during_start_up)
 
 # The handlers above come first: importing torch takes seconds.
+import atexit
 import glob
 import json
 import logging
@@ -409,7 +410,12 @@ def main():
     try:
         run(parse_args(sys.argv[1:]))
     except SignalException as stop:
-        sys.exit(stopped(stop.sigval))
+        code = stopped(stop.sigval)
+        # Not sys.exit: Python's exit puts the default handlers back, then unloads torch for
+        # seconds, where a copy of the signal ended the launch by it (-15, not 143).
+        atexit._run_exitfuncs()  # (private: no public way) what exit runs: logging, temp files
+        sys.stdout.flush()
+        os._exit(code)
     except ChildFailedError as failed:
         sys.exit(ending(failed.failures))
     except RendezvousTimeoutError:

@@ -507,6 +507,12 @@ def test_one_preemption_signalled_to_several_processes_is_one_stop(sender, tmp_p
         os.kill(run.process.pid, signal.SIGTERM)
         time.sleep(0.5)
         os.kill(run.process.pid, signal.SIGTERM)
+        # and until it exits, a copy is the launcher's to take: Python's exit puts the default
+        # handlers back, then unloads torch for seconds (a copy there ended it by SIGTERM, -15)
+        while run.process.poll() is None:
+            caught = in_mask(run.process.pid, "SigCgt", signal.SIGTERM)
+            assert caught or not alive(run.process.pid), "SIGTERM's default, the launcher alive"
+            time.sleep(0.01)
     run.wait()
     stop = re.search(
         r"stopped by SIGTERM at step (\d+) of \d+: checkpoint step-(\d+) is in", run.output
