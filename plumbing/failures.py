@@ -28,10 +28,8 @@ USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROF
 USER_ERRNOS |= {errno.EISDIR}
 # Reading the user's own input: also a file or folder that is not there.
 INPUT_ERRNOS = USER_ERRNOS | {errno.ENOENT, errno.ENAMETOOLONG, errno.ELOOP}
-# torch.distributed's errors: DistBackendError, DistNetworkError, DistStoreError (torch 2.9 has all)
-DIST_ERROR = getattr(dist, "DistError", ())  # (): matches nothing
+DIST_ERROR = dist.DistError  # DistBackendError, DistNetworkError, DistStoreError
 GLOO_SOURCE = re.compile(r"\[\S*gloo/\S*:\d+\]")  # starts gloo's errors, plain RuntimeErrors
-ACCELERATOR_ERROR = getattr(torch, "AcceleratorError", ())  # from torch 2.8
 TORCH = os.path.dirname(torch.__file__) + os.sep  # its files: where an error was raised
 # AcceleratorError.error_code, CUDA's cudaError_t: a fault of the hardware may pass on a retry (a
 # busy or lost GPU, an uncorrectable ECC or NVLink error), a kernel's never does (an assert, an
@@ -94,27 +92,27 @@ def run(main, *also):
     """``main()``, then the process group's end: one line and an exit code (2: a UsageError, an
     ``also`` or ``bug_or_bad_data``; 75: ``transient``; 1: a crash; 128 + a signal)."""
     die_with_torchrun()
-    ending, problem = None, None  # (line, exit code, the rank that says it, note it?); what raised
+    ending, problem = None, None  # (line, exit code, the rank that says it); what raised
     try:
         main()
     except (UsageError, *also) as error:
         node = int(os.environ.get("LOCAL_RANK", "0")) if isinstance(error, NodeError) else None
-        ending, problem = (f"error: {error}", 2, node, True), error
+        ending, problem = (f"error: {error}", 2, node), error
     except Stopped as stop:  # noted: the launcher keeps its exit code, and says it if no one did
-        ending, problem = (*stop.args, None, True), stop
+        ending, problem = (*stop.args, None), stop
     except KeyboardInterrupt as error:  # before the training loop's StopSignals
-        ending, problem = ("stopped by SIGINT during start-up", 130, None, True), error
+        ending, problem = ("stopped by SIGINT during start-up", 130, None), error
     except Exception as error:
         problem = error
         under_torchrun = bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
         if cause := transient(error):  # each rank's: the launcher prints the first
             why = "exit code 75: torchrun restarts it while MAX_RESTARTS allows"
             line = f"error: {cause}; it may pass on a retry ({why})"
-            ending = (line, RETRY_EXIT, -1 if under_torchrun else 0, True, cause)
+            ending = (line, RETRY_EXIT, -1 if under_torchrun else 0, cause)
         elif line := bug_or_bad_data(error):  # each rank's: the launcher prints the first
-            ending = (f"error: {line}", 2, -1 if under_torchrun else 0, True)
+            ending = (f"error: {line}", 2, -1 if under_torchrun else 0)
         elif under_torchrun:  # for the launcher, if this rank failed first
-            ending = (traceback.format_exc().rstrip(), 1, -1, True)
+            ending = (traceback.format_exc().rstrip(), 1, -1)
         else:  # plain python: its traceback, main's objects gone first
             traceback.clear_frames(error.__traceback__)
             _end_process_group(problem)
@@ -162,7 +160,7 @@ def transient(error):
     text = " ".join(str(error).split())[:300]
     if isinstance(error, OSError):
         return None if error.errno in USER_ERRNOS else f"{type(error).__name__}: {text}"
-    if isinstance(error, ACCELERATOR_ERROR):
+    if isinstance(error, torch.AcceleratorError):
         return f"the GPU failed ({text})" if _cuda_code(error) in CUDA_TRANSIENT else None
     if isinstance(error, DIST_ERROR) or (type(error) is RuntimeError and GLOO_SOURCE.match(text)):
         return f"a collective failed ({text})"
@@ -176,7 +174,7 @@ def bug_or_bad_data(error):
     """One line for what a retry repeats, else None: a CUDA kernel's fault (a device-side assert, an
     illegal memory access) or an IndexError, most often bad data the model indexes with."""
     line = "a bug or bad data, which a retry repeats (not retried)"
-    if isinstance(error, ACCELERATOR_ERROR) and _cuda_code(error) in CUDA_BUGS:
+    if isinstance(error, torch.AcceleratorError) and _cuda_code(error) in CUDA_BUGS:
         what = str(error).strip().splitlines()[0]
         hint = "CUDA_LAUNCH_BLOCKING=1 makes the error name the operation that raised it"
         return f"{what}: {line}: {LIKELY}; {hint}"
@@ -204,7 +202,7 @@ def _where(error):  # ", at FILE:LINE (FUNCTION)": the innermost frame outside t
     return f", at {path}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
 
 
-def _end(line, exit_code, rank, note, cause=None):
+def _end(line, exit_code, rank, cause=None):
     """Say and note ``line`` (and ``cause``, its short form, for the launcher's restart line); exit
     with no shutdown, which stray threads could abort."""
     for number in STOP_SIGNALS:  # torchrun may be stopping it: all or nothing
@@ -212,7 +210,7 @@ def _end(line, exit_code, rank, note, cause=None):
     said = say(line, rank)
     here = rank is not None or os.environ.get("GROUP_RANK", "0") == "0"  # its node speaks
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path and note:  # torchrun's format, and what the launcher reads
+    if path:  # torchrun's format, and what the launcher reads
         info = {"message": line, "timestamp": int(time.time()), "time": time.time()}
         info |= {"said": said, "here": here, "exit_code": exit_code}
         info["cause"] = cause or line.splitlines()[-1].removeprefix("error: ")  # a traceback's last
@@ -246,8 +244,8 @@ def _store_for_this_attempt(timeout):
     return dist.PrefixStore(f"attempt-{attempt}/", store)
 
 
-def on_rank_0(work, what, share=True):
-    """Collective: rank 0 runs ``work()``; its result on every rank (``share``) or on rank 0.
+def on_rank_0(work, what):
+    """Collective: rank 0 runs ``work()``; its result on every rank.
     What rank 0 raises, all raise at once: none waits for a collective it skips."""
     result, problem = None, None  # problem: the error every rank raises
     if dist.get_rank() == 0:
@@ -262,11 +260,11 @@ def on_rank_0(work, what, share=True):
                 traceback.print_exc()
                 text = " ".join(str(error).split())[:300]
                 problem = RuntimeError(f"rank 0 failed {what}: {type(error).__name__}: {text}")
-    outcome = [result if share else None, problem]
+    outcome = [result, problem]
     dist.broadcast_object_list(outcome, src=0)
     if outcome[1]:
         raise outcome[1]
-    return outcome[0] if share else result
+    return outcome[0]
 
 
 class StopSignals:

@@ -68,8 +68,8 @@ def step_range(text):
     return int(first), int(last)
 
 
-def parser(description, *more):
-    """The flags all scripts share, then those each of ``more`` adds (the data's)."""
+def parser(description, more=None):
+    """The flags all scripts share, then those ``more`` adds (the data's)."""
     p = _Parser(description=description, formatter_class=_Help)
     add, positive = p.add_argument, number(float, 0, above_low=True)
     add("--epochs", type=number(int, 1), default=2, help="passes over the training set")
@@ -102,9 +102,7 @@ def parser(description, *more):
     add("--metrics", metavar="PATH", help="write a JSON summary of the run (rank 0)")
     add("--log-dir", metavar="DIR", help="rank 0 appends a row per logging step to metrics.csv")
     add("--profile-steps", metavar="A:B", type=step_range, help="a trace of steps A to B per rank")
-    p.presets = {}  # the defaults a flag's value sets: each of ``more`` may add some
-    for add_more in more:
-        p.presets.update(add_more(p) or {})
+    p.presets = more(p) if more else {}  # the defaults a flag's value sets (--model's)
     return p
 
 
@@ -176,8 +174,7 @@ def pick_device(args, local_rank):
 
         deterministic.enable()
     accelerator = torch.accelerator.current_accelerator(check_available=True)
-    flag = args.device
-    if flag == "cpu" or (flag == "auto" and accelerator is None):
+    if args.device == "cpu" or (args.device == "auto" and accelerator is None):
         return torch.device("cpu")
     count = torch.accelerator.device_count()  # honours CUDA_VISIBLE_DEVICES; nvidia-smi does not
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
@@ -218,7 +215,7 @@ class Batches:
         self.dataset, self.batch_size, self.device, self.dtype = dataset, batch_size, device, dtype
         self.order = []  # the DataLoader's sampler: each call fills it
         gather = isinstance(dataset, TensorDataset) and dataset.tensors[0].device == device
-        self.expected, self.name = None, "the data"  # what the model takes, for each batch drawn
+        self.expected = None  # what the model takes, for each batch drawn (expect)
         self.loader = None
         if workers or not gather:
             self.loader = DataLoader(
@@ -247,10 +244,9 @@ class Batches:
             labels = labels.to(self.device, non_blocking=True)
             yield inputs, labels
 
-    def expect(self, expected, name="the data"):
-        """What the model takes (``check_data_fits``): a TensorDataset, held in memory, is checked
-        now, whole (a sync a chunk on a GPU); each batch a DataLoader draws of anything else, as
-        drawn. ``name`` (the training set, the test set) is said with a sample's index."""
+    def expect(self, expected, name):
+        """What the model takes (``check_data_fits``); ``name`` (the training set, the test set) is
+        said with a sample's index."""
         self.name = name
         if not isinstance(self.dataset, TensorDataset):
             self.expected = expected
@@ -266,11 +262,8 @@ class Batches:
 class _Reads(Dataset):
     """``dataset`` as a DataLoader reads it: an OSError is the user's input (input_error)."""
 
-    def __init__(self, dataset):
+    def __init__(self, dataset):  # no __len__: a DataLoader with a sampler reads none
         self.dataset = dataset
-
-    def __len__(self):
-        return len(self.dataset)
 
     def __getitem__(self, index):  # a read's OSError names no file: the sample is named
         return self._read(self.dataset.__getitem__, index, f"sample {index}")
