@@ -44,27 +44,57 @@ TIMEOUT = 240  # seconds for one launch; a healthy one takes 5 to 40 here
 
 # pytest-xdist hands out whole files (--dist loadfile, pytest.ini) in the order they were collected:
 # the longest go first (by --durations, in seconds of launches), so that none starts last while the
-# other worker has nothing left.
-LONGEST_FIRST = [
-    "test_checkpoint.py",
-    "test_faults.py",
-    "test_launch.py",
-    "test_pippy.py",
-    "test_bad_input.py",
-    "test_fsdp.py",
-    "test_cluster.py",
-    "test_ddp.py",
-    "test_hardening.py",
-    "test_progress.py",
-]
+# other worker has nothing left. Each of CI's stages (-m) has its own longest files.
+LONGEST_FIRST = {
+    "not slow": [
+        "test_checkpoint.py",
+        "test_faults.py",
+        "test_launch.py",
+        "test_pippy.py",
+        "test_bad_input.py",
+        "test_fsdp.py",
+        "test_cluster.py",
+        "test_ddp.py",
+        "test_hardening.py",
+        "test_progress.py",
+    ],
+    "pages": [
+        "test_benchmark.py",
+        "test_exercises.py",
+        "test_exercises_later.py",
+        "test_bytes.py",
+        "test_code_on_page.py",
+        "test_collectives.py",
+    ],
+    "slow and not pages": [  # at load 20 here: 920, 550, 460, 400, 375, 330, 325 ... s
+        "test_compile.py",
+        "test_cluster.py",
+        "test_template.py",
+        "test_gpt_training.py",
+        "test_init_from.py",
+        "test_faults.py",
+        "test_hf_init.py",
+        "test_ddp.py",
+        "test_node.py",
+        "test_memory_init.py",
+        "test_host_work.py",
+        "test_hf_llama.py",
+        "test_tp.py",
+        "test_pippy.py",
+        "test_checkpoint.py",
+        "test_bad_input.py",
+        "test_consolidate.py",
+        "test_launch.py",
+    ],
+}
 
 
-def pytest_collection_modifyitems(items):
-    last = len(LONGEST_FIRST)  # the other files keep their order, after these
+def pytest_collection_modifyitems(config, items):
+    stage = config.getoption("markexpr")
+    longest = LONGEST_FIRST.get(stage, LONGEST_FIRST["not slow"])
+    last = len(longest)  # the other files keep their order, after these
     items.sort(
-        key=lambda item: (
-            LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST else last
-        )
+        key=lambda item: longest.index(item.path.name) if item.path.name in longest else last
     )
 
 

@@ -2,7 +2,8 @@
 splits the model into pieces run by Python in between; a recompilation compiles again in the middle
 of training. Under DDP and FSDP, for BabyCNN and the GPT, no graph break happens, and no
 recompilation after the first step: the runs log each one (TORCH_LOGS); the evaluation, eager, adds
-none. And the GPT compiled as train_ddp.py compiles it trains, evaluates and trains on under torch's
+none. BabyCNN's DDP run, on two ranks in float64, also does the same math as the eager reference.
+And the GPT compiled as train_ddp.py compiles it trains, evaluates and trains on under torch's
 fail_on_recompile stance; its control: a no_grad forward outside the evaluation's eager stance
 fails on recompiling."""
 
@@ -12,7 +13,16 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import child_env, python, succeeded
+from conftest import (
+    EQUIVALENCE,
+    assert_same_math,
+    child_env,
+    load_weights,
+    mnist_args,
+    python,
+    succeeded,
+    torchrun,
+)
 from torch.utils.data import TensorDataset
 
 RECOMPILES = re.compile(r"\[__recompiles\] Recompiling function")
@@ -20,32 +30,46 @@ BREAKS = re.compile(r"\[__graph_breaks\] Graph break")
 
 
 @pytest.mark.slow  # four compiles, half a minute each
-def test_no_graph_break_and_no_recompilation_in_a_compiled_training_step(tmp_path):
+def test_no_graph_break_and_no_recompilation_in_a_compiled_training_step(
+    reference, control, mnist_dir, tmp_path
+):
+    """BabyCNN under DDP is the whole model compiled, then wrapped in DDP (whose graph dynamo would
+    split at the gradient buckets; this model fills one), on two ranks in float64: the same
+    weights as the eager reference (on a CPU there are no CUDA graphs; the math is what is
+    checked), and evaluated at the end: the control that the eager evaluation compiles nothing."""
     layouts = {
-        ("train_ddp.py", "cnn"): [],  # evaluated at the end: the control
-        ("train_ddp.py", "gpt"): ["--no-eval"],
-        ("train_fsdp.py", "cnn"): ["--no-eval"],
-        ("train_fsdp.py", "gpt"): ["--no-eval"],
+        ("train_ddp.py", "cnn"): [*mnist_args(mnist_dir), *EQUIVALENCE, "--batch-size", "16"],
+        ("train_ddp.py", "gpt"): ["--no-eval", "--max-steps", "20"],
+        ("train_fsdp.py", "cnn"): ["--no-eval", "--max-steps", "20"],
+        ("train_fsdp.py", "gpt"): ["--no-eval", "--max-steps", "20"],
     }
-    runs = {}
+    runs, steps = {}, {}
     for (script, model), flags in layouts.items():
         # A cache of its own: torch 2.14's inductor cache, filled under one ATEN_CPU_CAPABILITY,
-        # segfaults when read under another (tests/test_ddp.py).
+        # segfaults when read under another (seen with avx2 after AVX-512 runs on one machine).
         cache = tmp_path / f"{script}-{model}"
         env = child_env(TORCH_LOGS="recompiles,graph_breaks", TORCHINDUCTOR_CACHE_DIR=cache)
-        runs[script, model] = python(
-            script, "--model", model, "--compile", "--max-steps", "20", "--log-every", "1",
-            *flags, env=env, fork=False,  # a new process: torch reads TORCH_LOGS on import
-        )  # fmt: skip
+        flags = [*flags, "--model", model, "--compile", "--log-every", "1"]
+        steps[script, model] = int(flags[flags.index("--max-steps") + 1])
+        if model == "cnn" and script == "train_ddp.py":  # workers: new processes, as a user's
+            runs[script, model] = torchrun(
+                script, 2, *flags, "--save", tmp_path / "ddp.pt", env=env
+            )
+        else:  # a new process: torch reads TORCH_LOGS on import
+            runs[script, model] = python(script, *flags, env=env, fork=False)
     for (script, model), run in runs.items():
         output = succeeded(run.wait(480)).output  # four compiles at once: minutes on a busy CPU
         # Step 1 compiles each block's kind of input once (FSDP: the first block's input needs
-        # no gradient, the others' do); steps 2 to 20 must run what it compiled.
-        later = output.partition("step 1/20")[2].partition("step 20/20")[0]
-        assert "step 19/20" in later, output
+        # no gradient, the others' do); the later steps must run what it compiled.
+        last = steps[script, model]
+        later = output.partition(f"step 1/{last}")[2].partition(f"step {last}/{last}")[0]
+        assert f"step {last - 1}/{last}" in later, output
         assert not RECOMPILES.search(later) and not BREAKS.search(output), (script, model, output)
-    evaluation = runs["train_ddp.py", "cnn"].output.partition("step 20/20")[2]
+    ddp = runs["train_ddp.py", "cnn"].output
+    assert "DDP on 2 rank(s)" in ddp, ddp
+    evaluation = ddp.partition(f"step {steps['train_ddp.py', 'cnn']}/")[2]
     assert "test accuracy" in evaluation and not RECOMPILES.search(evaluation), evaluation
+    assert_same_math(load_weights(tmp_path / "ddp.pt"), reference, control)
 
 
 @pytest.mark.slow  # one inductor compile: about 35 s of CPU

@@ -92,26 +92,6 @@ def test_gradient_accumulation_matches_one_process_at_twice_the_batch(
     assert_same_math(load_weights(path), reference, control)
 
 
-@pytest.mark.slow  # a minute of compiling (pytest.ini)
-def test_the_compiled_model_does_the_same_math(reference, control, mnist_dir, tmp_path):
-    """--compile: the whole model compiled, then wrapped in DDP (whose graph dynamo would split at
-    the gradient buckets; this model fills one), on two ranks. On a CPU there are no CUDA graphs;
-    the math is what is checked: the same weights. (Compiled alone, on one process, it is the same
-    compile call: one launch fewer. Without evaluation: compiling it costs 17 of the launch's 40 s
-    here; tests/test_gpu.py evaluates compiled runs.)"""
-    # A cache of its own: torch 2.14's inductor cache, filled under one ATEN_CPU_CAPABILITY,
-    # segfaults when read under another (seen with avx2 after AVX-512 runs on one machine).
-    env = child_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
-    flags = [*mnist_args(mnist_dir), *EQUIVALENCE, "--compile", "--no-eval"]
-    two = succeeded(
-        torchrun(
-            "train_ddp.py", 2, *flags, "--batch-size", "16", "--save", tmp_path / "two.pt", env=env
-        )
-    )
-    assert "DDP on 2 rank(s)" in two.output
-    assert_same_math(load_weights(tmp_path / "two.pt"), reference, control)
-
-
 def two_nodes(tmp_path, mnist_dir, with_data, *args, **extra_env):
     """Start run_ddp.sh as two "nodes" of one process each, each in its own directory, reading
     --data-dir data there (no shared filesystem): node k gets a copy of the MNIST files if

@@ -66,6 +66,10 @@ LEAST = {
     "cluster.md": 1,
 }  # at least
 PAGES = [ROOT / "docs" / name for name in LEAST]
+# tests/test_exercises_later.py runs these pages' exercises: a file of its own, which pytest-xdist
+# (--dist loadfile) gives the other worker. The halves share no run (each would launch it).
+LATER = [ROOT / "docs" / name for name in ("pipeline.md", "parallelism.md", "checkpoints.md")]
+LATER += [ROOT / "docs" / "cluster.md"]
 CHECK = re.compile(r"<!-- check: (.*?) -->")
 FORMS = [
     ("rounds", re.compile(r"(?P<run>\S+\.json) (?P<key>\S+) rounds to (?P<value>.+)$")),
@@ -316,18 +320,41 @@ def runs(tmp_path_factory):
     return Runs(tmp_path_factory.mktemp("exercises"))
 
 
-def all_exercises():
+def all_exercises(pages):
     return [
         pytest.param(page, index, id=f"{page.stem}-{index + 1}")
-        for page in PAGES
+        for page in pages
         for index in range(len(exercises(page)))
     ]
 
 
+def runs_of(pages):
+    """The names of the runs the checks of ``pages`` read, with the runs before them."""
+    before = commands_and_before()
+    found = set()
+    for page in pages:
+        for *_, checks in exercises(page):
+            found |= {
+                fields[key] for _, fields in checks for key in ("run", "other") if key in fields
+            }
+    while more := {earlier for name in found for earlier in before[name][1]} - found:
+        found |= more
+    return found
+
+
+def test_the_two_files_of_exercises_launch_no_run_twice():
+    first = [page for page in PAGES if page not in LATER]
+    assert first and runs_of(first).isdisjoint(runs_of(LATER)), runs_of(first) & runs_of(LATER)
+
+
 @pytest.mark.slow
 @pytest.mark.pages
-@pytest.mark.parametrize("page, index", all_exercises())
+@pytest.mark.parametrize("page, index", all_exercises(p for p in PAGES if p not in LATER))
 def test_the_exercise_answers_are_what_the_runs_give(runs, page, index):
+    check_answers(runs, page, index)
+
+
+def check_answers(runs, page, index):
     title, commands, question, visible, checks = exercises(page)[index]
     for kind, fields in checks:
         where = f"{page.name}, exercise {title!r}: {kind} {fields}"

@@ -76,6 +76,21 @@ def test_two_ddp_ranks_teach_the_gpt_the_text_in_twenty_steps(tmp_path):
 PIPELINE = ["--schedule", "1f1b", "--microbatches", "2"]
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """One process's weights at the global batch, the reference of every layout below, and the
+    negative control: one process at a rank's share of the batch, as a rank whose gradients
+    nothing averaged. Launched once for the module (each layout's test launched both)."""
+    directory = tmp_path_factory.mktemp("one_process")
+    runs = [
+        python("train_ddp.py", *EQUIVALENT, "--batch-size", batch, "--save", directory / name)
+        for name, batch in (("one.pt", GLOBAL_BATCH), ("control.pt", GLOBAL_BATCH // 2))
+    ]
+    for run in runs:
+        succeeded(run)
+    return load_weights(directory / "one.pt"), load_weights(directory / "control.pt")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "script, ranks, batch, flags",
@@ -99,22 +114,16 @@ PIPELINE = ["--schedule", "1f1b", "--microbatches", "2"]
         "tp-2-x-dp-2",
     ],
 )
-def test_the_gpt_trains_as_one_process_does_in_fp64(script, ranks, batch, flags, tmp_path):
-    paths = {name: tmp_path / f"{name}.pt" for name in ("one", "control", "run")}
-    one = python("train_ddp.py", *EQUIVALENT, "--batch-size", GLOBAL_BATCH, "--save", paths["one"])
-    # Negative control: one process at a rank's share of the batch, as a rank whose gradients
-    # nothing averaged.
-    half = GLOBAL_BATCH // 2
-    control = python("train_ddp.py", *EQUIVALENT, "--batch-size", half, "--save", paths["control"])
-    run = torchrun(
-        script, ranks, *EQUIVALENT, "--batch-size", batch, *flags, "--save", paths["run"]
-    )
-    for launched in (one, control, run):
-        succeeded(launched)
+def test_the_gpt_trains_as_one_process_does_in_fp64(
+    script, ranks, batch, flags, one_process, tmp_path
+):
+    path = tmp_path / "run.pt"
+    run = torchrun(script, ranks, *EQUIVALENT, "--batch-size", batch, *flags, "--save", path)
+    succeeded(run)
     initial = initial_weights()
-    reference = load_weights(paths["one"])
-    assert relative_difference(load_weights(paths["control"]), reference, initial) > CONTROL_FLOOR
-    assert relative_difference(load_weights(paths["run"]), reference, initial) < TOLERANCE
+    reference, control = one_process
+    assert relative_difference(control, reference, initial) > CONTROL_FLOOR
+    assert relative_difference(load_weights(path), reference, initial) < TOLERANCE
     assert "the trained GPT writes 240 characters:" in run.output  # from the gathered weights
     # The transformer page quotes FSDP's units and the pipeline's stages from these start lines.
     page = " ".join((ROOT / "docs" / "transformer.md").read_text().split())

@@ -162,11 +162,18 @@ def test_ten_fp64_steps_from_the_folder_equal_one_process(llama):
         "fsdp": [*TWO, "train_fsdp.py", "--batch-size", "32", "--checkpoint-dir", "ck"],
         "tp": [*TWO, "train_tp.py", "--tp", "2", "--batch-size", "64"],
     }
-    for name, command in layouts.items():
-        run = [*command, *common, "--init-from", "pretrained", "--save", f"{name}-10.pt"]
-        succeeded(Run(run, env, project))
+    runs = [  # at once, as they share nothing: the waits of one overlap the others' work
+        Run(
+            [*command, *common, "--init-from", "pretrained", "--save", f"{name}-10.pt"],
+            env,
+            project,
+        )
+        for name, command in layouts.items()
+    ]
     control = [sys.executable, "train_ddp.py", *common, "--batch-size", "64", "--save", "c.pt"]
-    succeeded(Run(control, env, project))
+    runs.append(Run(control, env, project))
+    for run in runs:
+        succeeded(run)
     initial = {f"lm.{key}": tensor.double() for key, tensor in weights.items()}
     one = load_weights(project / "one-10.pt")
     for name in ("fsdp", "tp"):
