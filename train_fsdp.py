@@ -232,7 +232,7 @@ def make_mesh(args, device, world_size):
 def shard(model, args, mesh):
     """Each unit checkpointed (--activation-checkpointing), compiled (--compile) and sharded
     (an all-gather each), then the root; the units in words."""
-    units, words = shard_units(model)  # [(parent, name)]: BabyCNN's 4 blocks
+    units, words = parts.shard_units(model)  # [(parent, name)]: BabyCNN's 4 blocks
     if args.compile:
         log("--compile: each block, without CUDA graphs (FSDP frees and re-gathers weights)")
     mp_policy = root_policy = MixedPrecisionPolicy()
@@ -258,35 +258,6 @@ def shard(model, args, mesh):
         fully_shard(block, reshard_after_forward=reshard and not last, **options)
     fully_shard(model, reshard_after_forward=reshard, **options | {"mp_policy": root_policy})
     return words
-
-
-def shard_units(model):
-    """The submodules to shard, as (parent, name), inner ones first, and words on them:
-    each layer of a list of layers (nn.Sequential, nn.ModuleList: BabyCNN's blocks, a
-    BERT's bert.encoder.layer) not inside another, then each child of the model. A unit
-    holds the parameters no unit before it holds (none: no unit); the root the rest.
-    No unit holds a weight tied to a module outside it (an LM's embedding and head):
-    fully_shard on each would make two weights of it, so a unit around both holds it."""
-
-    def layers(module):  # those of the outermost lists of layers in module
-        if isinstance(module, (torch.nn.Sequential, torch.nn.ModuleList)):
-            return [(module, name) for name, _ in module.named_children()]
-        return [unit for child in module.children() for unit in layers(child)]
-
-    tied = parts.tied_names(model)  # the names of each tied weight
-    holders = [{model.get_submodule(n.rpartition(".")[0]) for n in names} for names in tied]
-
-    def tied_outside(unit):
-        inside = set(unit.modules())
-        return any(modules & inside and modules - inside for modules in holders)
-
-    units = [u for name, child in model.named_children() for u in [*layers(child), (model, name)]]
-    units = [(parent, name) for parent, name in units if not tied_outside(getattr(parent, name))]
-    held = [set(getattr(p, n).parameters()) for p, n in units] + [set(model.parameters())]
-    sizes = [sum(p.numel() for p in mine.difference(*held[:i])) for i, mine in enumerate(held)]
-    share, count = max(sizes) / sum(sizes), sum(map(bool, sizes))
-    words = f"{count} units, the largest {share:.0%} of the parameters"
-    return [unit for unit, size in zip(units, sizes) if size], words
 
 
 def compile_outside(module, units):

@@ -17,7 +17,7 @@ What TP changes compared with train_fsdp.py:
          for a transformer (heads, MLP, sequence parallelism, vocabulary-split logits);
          BabyCNN: tensor_parallel() splits pairs of layers by channels, written out to
          show what TP does inside. Then fully_shard() over dp, with FSDP's units
-         (shard_units(), as train_fsdp.py's); the optimizer after both
+         (plumbing/parts.py); the optimizer after both
   loss   loss_parallel(): cross-entropy over the GPT's vocabulary-split logits
   eval   each tp group scores a slice; the sums are all-reduced over dp
 Every collective is called here, or in a call marked "collective".
@@ -253,7 +253,7 @@ def parallelize(model, args, mesh):
         retie(model, tied)
     for name in frozen:  # torch 2.9's styles make each new parameter trainable (pytorch #171523)
         model.get_parameter(name).requires_grad_(False)
-    units, _ = shard_units(model)  # FSDP's: each layer; tied weights in the root
+    units, _ = parts.shard_units(model)  # FSDP's: each layer; tied weights in the root
     for index, (parent, name) in enumerate(units):
         # Backward starts with the last unit: resharding it would only regather.
         last = index == len(units) - 1
@@ -369,35 +369,6 @@ def retie(model, tied):
                 )
             module, _, attribute = name.rpartition(".")
             setattr(model.get_submodule(module), attribute, weight)
-
-
-def shard_units(model):
-    """The submodules to shard, as (parent, name), inner ones first, and words on them:
-    each layer of a list of layers (nn.Sequential, nn.ModuleList: BabyCNN's blocks, a
-    BERT's bert.encoder.layer) not inside another, then each child of the model. A unit
-    holds the parameters no unit before it holds (none: no unit); the root the rest.
-    No unit holds a weight tied to a module outside it (an LM's embedding and head):
-    fully_shard on each would make two weights of it, so a unit around both holds it."""
-
-    def layers(module):  # those of the outermost lists of layers in module
-        if isinstance(module, (torch.nn.Sequential, torch.nn.ModuleList)):
-            return [(module, name) for name, _ in module.named_children()]
-        return [unit for child in module.children() for unit in layers(child)]
-
-    tied = parts.tied_names(model)  # the names of each tied weight
-    holders = [{model.get_submodule(n.rpartition(".")[0]) for n in names} for names in tied]
-
-    def tied_outside(unit):
-        inside = set(unit.modules())
-        return any(modules & inside and modules - inside for modules in holders)
-
-    units = [u for name, child in model.named_children() for u in [*layers(child), (model, name)]]
-    units = [(parent, name) for parent, name in units if not tied_outside(getattr(parent, name))]
-    held = [set(getattr(p, n).parameters()) for p, n in units] + [set(model.parameters())]
-    sizes = [sum(p.numel() for p in mine.difference(*held[:i])) for i, mine in enumerate(held)]
-    share, count = max(sizes) / sum(sizes), sum(map(bool, sizes))
-    words = f"{count} units, the largest {share:.0%} of the parameters"
-    return [unit for unit, size in zip(units, sizes) if size], words
 
 
 def local(tensor):

@@ -1,6 +1,6 @@
 """A model in parts, for the scripts that split it (train_fsdp.py, train_tp.py, train_pippy.py):
 built on the meta device (shapes, no memory), then each rank allocates and fills only its own part,
-from the seed or from --init-from; the weights that modules share (tied)."""
+from the seed or from --init-from; the units FSDP shards; the weights that modules share (tied)."""
 
 import contextlib
 import resource
@@ -121,3 +121,31 @@ def tied_names(model):
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(p, []).append(name)
     return [group for group in names.values() if len(group) > 1]
+
+
+def shard_units(model):
+    """The submodules to shard, as (parent, name), inner ones first, and words on them:
+    each layer of a list of layers (nn.Sequential, nn.ModuleList: BabyCNN's blocks, a
+    BERT's bert.encoder.layer) not inside another, then each child of the model. A unit
+    holds the parameters no unit before it holds (none: no unit); the root the rest.
+    No unit holds a weight tied to a module outside it (an LM's embedding and head):
+    fully_shard on each would make two weights of it, so a unit around both holds it."""
+
+    def layers(module):  # those of the outermost lists of layers in module
+        if isinstance(module, (nn.Sequential, nn.ModuleList)):
+            return [(module, name) for name, _ in module.named_children()]
+        return [unit for child in module.children() for unit in layers(child)]
+
+    holders = [{model.get_submodule(n.rpartition(".")[0]) for n in ns} for ns in tied_names(model)]
+
+    def tied_outside(unit):
+        inside = set(unit.modules())
+        return any(modules & inside and modules - inside for modules in holders)
+
+    units = [u for name, child in model.named_children() for u in [*layers(child), (model, name)]]
+    units = [(parent, name) for parent, name in units if not tied_outside(getattr(parent, name))]
+    held = [set(getattr(p, n).parameters()) for p, n in units] + [set(model.parameters())]
+    sizes = [sum(p.numel() for p in mine.difference(*held[:i])) for i, mine in enumerate(held)]
+    share, count = max(sizes) / sum(sizes), sum(map(bool, sizes))
+    words = f"{count} units, the largest {share:.0%} of the parameters"
+    return [unit for unit, size in zip(units, sizes) if size], words

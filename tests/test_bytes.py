@@ -31,7 +31,7 @@ def model_sizes():
     from torch import nn
 
     from models.gpt import GPT
-    from train_fsdp import shard_units
+    from plumbing.parts import shard_units
 
     model = GPT()
     count = lambda params: sum(p.numel() for p in params)  # noqa: E731

@@ -7,7 +7,6 @@ embedding's block and the head's block made two weights of one. Each script ende
 model than one process trains, and said nothing."""
 
 import importlib.util
-import inspect
 import re
 import shutil
 import sys
@@ -168,14 +167,8 @@ def test_one_rule_finds_the_tied_weights_every_script_keeps_one():
 
 def test_fsdp_shards_a_tied_weight_in_a_unit_around_both_its_modules():
     """fully_shard on the embedding and on the head made two weights of one: neither is a unit
-    now, and the blocks around both hold the tied weight; the decoder layers stay units. TP's
-    shard_units is FSDP's, written the same way: one rule, tested once."""
-    import train_fsdp
-    import train_tp
-    from train_fsdp import shard_units
-
-    same = [inspect.getsource(script.shard_units) for script in (train_fsdp, train_tp)]
-    assert same[0] == same[1]
+    now, and the blocks around both hold the tied weight; the decoder layers stay units."""
+    from plumbing.parts import shard_units
 
     torch.manual_seed(0)
     model = snippet().Net()
